@@ -1,0 +1,123 @@
+"""A vectorized open-addressing hash map from int64 feature signs to row ids.
+
+Every operation works on whole tensors of keys (no per-key Python), on CPU or
+on CUDA tensors alike: a lookup is a loop over probe *rounds*, each round one
+gather over all keys still unresolved. With the load factor kept at or below
+one half, linear probing needs about 1.5 rounds on average for hits.
+
+Row ids are handed out densely (0, 1, 2, ...) in the order keys are inserted,
+so the row a key gets does not depend on where it landed in the slot array:
+two runs that insert the same keys in the same order agree on every row id.
+"""
+from __future__ import annotations
+
+import torch
+
+EMPTY = -1                      # feature signs are non-negative, so -1 marks a free slot
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
+_MIX = -4658895280553007687     # 0xBF58476D1CE4E5B9 as a signed int64
+
+
+def _slot_hash(keys: torch.Tensor, mask: int) -> torch.Tensor:
+    # splitmix64-style mixing; int64 products wrap, and shifts are made
+    # logical by masking off the sign-extended bits.
+    x = keys * _GOLDEN
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    x = x * _MIX
+    x = x ^ ((x >> 29) & ((1 << 35) - 1))
+    return x & mask
+
+
+class KeyIndex:
+    """int64 key -> int64 row id, growable, with a load factor of at most 1/2."""
+
+    def __init__(self, capacity: int = 1024, device: torch.device | str = "cpu") -> None:
+        cap = 1 << max(4, (max(1, capacity) - 1).bit_length())
+        self.device = torch.device(device)
+        self.slot_keys = torch.full((cap,), EMPTY, dtype=torch.int64, device=self.device)
+        self.slot_rows = torch.full((cap,), EMPTY, dtype=torch.int64, device=self.device)
+        self.size = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.slot_keys.numel()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
+        """Row id of each key, or -1 where the key is absent."""
+        mask = self.capacity - 1
+        pos = _slot_hash(keys, mask)
+        rows = torch.full_like(keys, EMPTY)
+        active = torch.arange(keys.numel(), device=keys.device)
+        while active.numel():
+            p = pos[active]
+            found = self.slot_keys[p]
+            hit = found == keys[active]
+            rows[active[hit]] = self.slot_rows[p[hit]]
+            cont = ~(hit | (found == EMPTY))
+            active = active[cont]
+            pos[active] = (p[cont] + 1) & mask
+        return rows
+
+    def insert(self, keys: torch.Tensor) -> torch.Tensor:
+        """Insert keys that are unique and absent; return their new row ids.
+
+        Row ids are `len(self) + arange(len(keys))` in the order given.
+        """
+        n = keys.numel()
+        if 2 * (self.size + n) > self.capacity:
+            self._grow(self.size + n)
+        rows = torch.arange(self.size, self.size + n, dtype=torch.int64, device=keys.device)
+        self._place(keys, rows)
+        self.size += n
+        return rows
+
+    def lookup_or_insert(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ids for unique `keys`, inserting the absent ones; also the mask of new keys."""
+        rows = self.lookup(keys)
+        new = rows < 0
+        if bool(new.any()):
+            rows[new] = self.insert(keys[new])
+        return rows, new
+
+    def _place(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        mask = self.capacity - 1
+        pos = _slot_hash(keys, mask)
+        pending = torch.arange(keys.numel(), device=keys.device)
+        while pending.numel():
+            p = pos[pending]
+            free = self.slot_keys[p] == EMPTY
+            cand, cand_pos = pending[free], p[free]
+            # Several keys may race for one free slot: one write wins, and the
+            # read-back tells each key whether it was the one.
+            self.slot_keys[cand_pos] = keys[cand]
+            won = self.slot_keys[cand_pos] == keys[cand]
+            self.slot_rows[cand_pos[won]] = rows[cand[won]]
+            pending = torch.cat([pending[~free], cand[~won]])
+            pos[pending] = (pos[pending] + 1) & mask
+
+    def _grow(self, min_size: int) -> None:
+        cap = self.capacity
+        while 2 * min_size > cap:
+            cap *= 2
+        used = self.slot_keys != EMPTY
+        keys, rows = self.slot_keys[used], self.slot_rows[used]
+        self.slot_keys = torch.full((cap,), EMPTY, dtype=torch.int64, device=self.device)
+        self.slot_rows = torch.full((cap,), EMPTY, dtype=torch.int64, device=self.device)
+        self._place(keys, rows)
+
+    def keys_by_row(self) -> torch.Tensor:
+        """All keys, ordered by their row id (for checkpoints)."""
+        used = self.slot_keys != EMPTY
+        out = torch.empty(self.size, dtype=torch.int64, device=self.device)
+        out[self.slot_rows[used]] = self.slot_keys[used]
+        return out
+
+    @staticmethod
+    def from_keys(keys_by_row: torch.Tensor, device: torch.device | str = "cpu") -> "KeyIndex":
+        """Rebuild an index in which key `keys_by_row[i]` has row id i."""
+        index = KeyIndex(2 * keys_by_row.numel(), device)
+        index.insert(keys_by_row.to(index.device))
+        return index

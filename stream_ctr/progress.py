@@ -1,0 +1,52 @@
+"""Live progress on stderr: records/s, batches, windowed prequential AUC/logloss.
+
+On a terminal the line is redrawn in place; otherwise (logs, CI) one line is
+printed every `every_s` seconds so a long run still shows it is alive.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import TextIO
+
+
+def _fmt(x: float, digits: int = 4) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+class Progress:
+    def __init__(self, label: str, every_s: float = 1.0, stream: TextIO | None = None,
+                 enabled: bool = True) -> None:
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.every_s = every_s if self.tty else max(every_s, 10.0)
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self._last = 0.0
+        self._drawn = False
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.start
+
+    def update(self, records: int, batches: int, auc: float, logloss: float,
+               force: bool = False) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (not force and now - self._last < self.every_s):
+            return
+        self._last = now
+        rate = records / max(now - self.start, 1e-9)
+        line = (f"{self.label}: {records:,} records | {rate:,.0f} rec/s | {batches:,} batches | "
+                f"AUC {_fmt(auc)} | logloss {_fmt(logloss)} (prequential window)")
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+            self._drawn = True
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -1,0 +1,44 @@
+import numpy as np
+
+from stream_ctr.evaluation import PrequentialWindow, accuracy, log_loss, roc_auc
+
+
+def naive_auc(s, y):
+    pos, neg = s[y > 0], s[y == 0]
+    greater = (pos[:, None] > neg[None, :]).sum()
+    ties = (pos[:, None] == neg[None, :]).sum()
+    return (greater + 0.5 * ties) / (len(pos) * len(neg))
+
+
+def test_auc_matches_naive_with_ties():
+    rng = np.random.default_rng(1)
+    s = rng.random(500)
+    y = (rng.random(500) < s).astype(np.float32)
+    assert np.isclose(roc_auc(s, y), naive_auc(s, y))
+    s1 = np.round(s, 1)
+    assert np.isclose(roc_auc(s1, y), naive_auc(s1, y))
+    assert np.isnan(roc_auc(s, np.zeros(500)))
+
+
+def test_logloss_and_calibration():
+    p = np.array([0.9, 0.1, 0.8, 0.3])
+    y = np.array([1, 0, 1, 0], dtype=np.float32)
+    assert np.isclose(log_loss(p, y), -np.mean(np.log([0.9, 0.9, 0.8, 0.7])))
+    acc = accuracy(p, y)
+    assert np.isclose(acc.calibration, p.mean() / 0.5) and acc.auc == 1.0
+
+
+def test_window_keeps_latest_and_restores():
+    rng = np.random.default_rng(2)
+    s = rng.random(1000).astype(np.float32)
+    y = (rng.random(1000) < s).astype(np.float32)
+    w = PrequentialWindow(300)
+    for i in range(0, 1000, 128):
+        w.add(s[i:i + 128], y[i:i + 128])
+    ref = accuracy(s[-300:], y[-300:])
+    assert np.isclose(w.window().auc, ref.auc) and w.window().records == 300
+    assert w.totals()["records"] == 1000
+    restored = PrequentialWindow(300)
+    restored.load_state_dict(w.state_dict())
+    assert restored.window().auc == w.window().auc
+    assert restored.totals() == w.totals()
