@@ -23,7 +23,7 @@ class DataConfig:
     # "criteo:PATH", "avazu:PATH", or a path whose name says the format;
     # "criteo:sample" / "avazu:sample" are the bundled real samples.
     source: str = "criteo:sample"
-    batch_size: int = 512
+    batch_size: int = 64            # tuned for the bundled ~14K-row samples; streams use 1K-128K
     # Latency budget of the micro-batcher: a partial batch trains after this
     # long without new records (streaming sources only).
     max_batch_delay_s: float = 5.0
@@ -47,8 +47,8 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    lr_dense: float = 1e-3
-    lr_embed: float = 1e-2
+    lr_dense: float = 3e-3
+    lr_embed: float = 1e-3
     l2: float = 1e-5                # lambda * ||w||^2 on embedding rows present in the batch
     cross_l2: float = 1e-5          # DCN / DCNv2 cross kernels (not scaled, as in the paper)
     cowclip: bool = True

@@ -1,0 +1,283 @@
+"""File sources: Criteo TSV / Avazu CSV files, plain or gzip, read in decoded chunks.
+
+A file is one source partition named ``"file:" + basename``.  A record's
+offset is its 0-based *data-line number*: the header line (Avazu) is not
+counted, blank and malformed lines are (they are rejected, never dropped
+silently).  `FileSource.snapshot()` is the resume position; reopening the file
+with ``start_offset`` set to it yields exactly the records that follow.
+"""
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from connectors.batch import Batch, Positions, Rejected
+from connectors.decode import decode_lines
+from connectors.formats import FORMATS, RecordFormat
+
+SAMPLE_DIR = Path(__file__).resolve().parent.parent / "stream_ctr" / "data"
+SAMPLE_PATHS: dict[str, Path] = {
+    "criteo": SAMPLE_DIR / "criteo_kaggle_sample_14493.tsv.gz",
+    "avazu": SAMPLE_DIR / "avazu_sample_9999.csv.gz",
+}
+READ_BYTES = 8 << 20          # bytes read from the (decompressed) stream at a time
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+class SourceError(ValueError):
+    """A source cannot be opened because of something the user can fix."""
+
+
+def open_binary(path: str | Path) -> BinaryIO:
+    """Open `path` for binary reading, decompressing if it starts with the gzip magic bytes."""
+    path = Path(path)
+    if not path.is_file():
+        raise SourceError(f"no such file: {path} (check the path; 'criteo:sample' and "
+                          "'avazu:sample' name the bundled samples)")
+    try:
+        with open(path, "rb") as probe:
+            is_gzip = probe.read(2) == GZIP_MAGIC
+        return gzip.open(path, "rb") if is_gzip else open(path, "rb")
+    except OSError as exc:
+        raise SourceError(f"cannot open {path}: {exc.strerror or exc}") from exc
+
+
+class _LineReader:
+    """Whole lines from a binary stream, taken by count.
+
+    Newline positions of each chunk are found once (`np.flatnonzero`) and
+    consumed by index, so reading n lines costs O(bytes), however small n is.
+    At the end of the stream a last line without LF counts as a line.
+    """
+
+    def __init__(self, stream: BinaryIO, read_bytes: int = READ_BYTES, name: str = "stream") -> None:
+        self._stream = stream
+        self._name = name
+        self._read_bytes = read_bytes
+        self._buf = b""
+        self._pos = 0                                   # first unconsumed byte of _buf
+        self._ends = np.zeros(0, dtype=np.int64)        # LF positions in _buf (or len at EOF)
+        self._next = 0                                  # index in _ends of the next line
+        self._eof = False
+
+    def available(self) -> int:
+        return len(self._ends) - self._next
+
+    def at_end(self) -> bool:
+        """True when no line is left (reads ahead if needed)."""
+        while not self.available() and not self._eof:
+            self._refill()
+        return not self.available()
+
+    def take(self, n: int) -> tuple[bytes, int]:
+        """Up to `n` whole lines (fewer only at the end of the stream) and their count."""
+        if self.available() < n and not self._eof:
+            self._refill(n - self.available())
+        k = min(n, self.available())
+        if k == 0:
+            return b"", 0
+        end = int(self._ends[self._next + k - 1]) + 1
+        data = self._buf[self._pos:end]
+        self._pos, self._next = end, self._next + k
+        return data, k
+
+    def skip(self, n: int) -> int:
+        """Skip up to `n` lines, counting newlines of whole chunks in bulk; returns the count."""
+        skipped = 0
+        while skipped < n:
+            if not self.available():
+                if self._eof:
+                    break
+                skipped += self._skip_chunk(n - skipped)
+                continue
+            k = min(n - skipped, self.available())
+            self._pos = int(self._ends[self._next + k - 1]) + 1
+            self._next += k
+            skipped += k
+        return skipped
+
+    def _skip_chunk(self, limit: int) -> int:
+        """Read one chunk; if it ends no more than `limit` lines, drop them unparsed."""
+        chunk = self._read()
+        n_lf = chunk.count(b"\n")
+        if not chunk or n_lf > limit:
+            self._append(chunk)
+            return 0
+        tail = self._buf[self._pos:] + chunk
+        cut = tail.rfind(b"\n") + 1
+        self._buf, self._pos = tail[cut:], 0
+        self._ends, self._next = np.zeros(0, dtype=np.int64), 0
+        return n_lf
+
+    def _refill(self, n_lines: int = 1) -> None:
+        """Read chunks until `n_lines` more newlines (or EOF) are buffered; join once."""
+        chunks, n_lf = [], 0
+        while n_lf < n_lines:
+            chunk = self._read()
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n_lf += chunk.count(b"\n")
+        if chunks:
+            self._append(b"".join(chunks))
+        if n_lf < n_lines:
+            self._append(b"")                            # end of stream
+
+    def _read(self) -> bytes:
+        try:
+            return self._stream.read(self._read_bytes)
+        except (OSError, EOFError) as exc:      # truncated or corrupt gzip, I/O error
+            raise SourceError(f"{self._name}: read failed ({exc}); the file may be truncated "
+                              "or corrupt (a gzip still being written?)") from exc
+
+    def _append(self, chunk: bytes) -> None:
+        tail = self._buf[self._pos:]
+        old = self._ends[self._next:] - self._pos
+        if chunk:
+            new = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10) + len(tail)
+        else:
+            self._eof = True
+            last = old[-1] + 1 if len(old) else 0
+            new = np.array([len(tail)] if len(tail) > last else [], dtype=np.int64)
+        self._buf, self._pos = tail + chunk, 0
+        self._ends, self._next = np.concatenate([old, new]).astype(np.int64), 0
+
+
+class FileSource:
+    """Decoded chunks of one Criteo/Avazu file (plain or gzip), with resumable offsets.
+
+    The source contract shared with the Kafka source:
+
+    - ``read(max_records=None)`` returns ``(Batch, rejected)`` for the next at
+      most `max_records` (default `chunk_records`) data lines; both together
+      cover every line read.  At the end it returns an empty Batch; it never
+      blocks indefinitely.
+    - ``exhausted`` is True once nothing is left (end of file or `stop_offset`).
+    - ``snapshot()`` is the resume position ``{partition: next offset}``: the
+      data-line number just after the last line returned (decoded or rejected).
+      ``FileSource(path, fmt, start_offset=snapshot()[partition])`` continues there.
+
+    Offsets are 0-based data-line numbers (the Avazu header is not a data
+    line).  `start_offset` lines are skipped on open; reading stops before
+    data line `stop_offset` if given (e.g. to hold out the end of a file).
+    """
+
+    def __init__(self, path: str | Path, fmt: RecordFormat, start_offset: int = 0,
+                 chunk_records: int = 65536, stop_offset: int | None = None,
+                 read_bytes: int = READ_BYTES) -> None:
+        if start_offset < 0 or chunk_records < 1:
+            raise ValueError(f"FileSource needs start_offset >= 0 and chunk_records >= 1, "
+                             f"got {start_offset} and {chunk_records}")
+        if stop_offset is not None and stop_offset < start_offset:
+            raise ValueError(f"FileSource stop_offset {stop_offset} is before start_offset {start_offset}")
+        self.path = Path(path)
+        self.fmt = fmt
+        self.partition = "file:" + self.path.name
+        self.chunk_records = chunk_records
+        self.stop_offset = stop_offset
+        self._stream = open_binary(self.path)
+        self._lines = _LineReader(self._stream, read_bytes, name=str(self.path))
+        if fmt.has_header:
+            _check_header(self._lines, self.path, fmt)
+        self._next_offset = self._lines.skip(start_offset)
+
+    def read(self, max_records: int | None = None) -> tuple[Batch, list[Rejected]]:
+        """Decode the next at most `max_records` data lines (default: chunk_records)."""
+        n = self.chunk_records if max_records is None else max_records
+        if self.stop_offset is not None:
+            n = min(n, self.stop_offset - self._next_offset)
+        data, k = self._lines.take(n) if n > 0 and self._stream is not None else (b"", 0)
+        if k == 0:
+            return Batch.empty(self.fmt.n_keys, self.fmt.n_dense, (self.partition,)), []
+        batch, rejected = decode_lines(data, self.fmt, self.partition, self._next_offset)
+        self._next_offset += k
+        return batch, rejected
+
+    @property
+    def next_offset(self) -> int:
+        """Offset (data-line number) of the next line `read` will return."""
+        return self._next_offset
+
+    @property
+    def exhausted(self) -> bool:
+        if self.stop_offset is not None and self._next_offset >= self.stop_offset:
+            return True
+        return self._stream is None or self._lines.at_end()
+
+    def snapshot(self) -> Positions:
+        """Resume position: ``{partition: offset of the next data line}``."""
+        return {self.partition: self._next_offset}
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def __enter__(self) -> "FileSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_header(lines: _LineReader, path: Path, fmt: RecordFormat) -> None:
+    """Consume the header line, insisting it names fmt's fields (a missing header would eat a record)."""
+    data, k = lines.take(1)
+    if k == 0:
+        return
+    header = data.rstrip(b"\r\n").decode("utf-8", errors="replace")
+    if header.split(fmt.delimiter) != list(fmt.field_names):
+        raise SourceError(f"{path}: first line is not the {fmt.name} header "
+                          f"({fmt.delimiter.join(fmt.field_names[:4])}...); got {header[:60]!r}. "
+                          f"Add the header line or pick the right format")
+
+
+def count_records(path: str | Path, fmt: RecordFormat, read_bytes: int = READ_BYTES) -> int:
+    """Number of data lines in the file (header excluded), by a bulk newline count."""
+    n_lines, n_bytes, last = 0, 0, b"\n"
+    with open_binary(path) as stream:
+        while chunk := stream.read(read_bytes):
+            n_lines += chunk.count(b"\n")
+            n_bytes += len(chunk)
+            last = chunk[-1:]
+    n_lines += last != b"\n"
+    return max(n_lines - (1 if fmt.has_header and n_bytes else 0), 0)
+
+
+def detect_format(spec: str) -> tuple[RecordFormat, Path]:
+    """Parse a source spec: ``criteo:PATH``, ``avazu:PATH``, ``criteo:sample``, or a bare PATH.
+
+    A bare path's format comes from its name: containing "criteo" or
+    "avazu", else a .tsv (-> criteo) or .csv (-> avazu) extension, optionally
+    followed by .gz.  The file must exist.  Raises SourceError otherwise.
+    """
+    prefix, colon, rest = spec.partition(":")
+    if colon and prefix.lower() in FORMATS:
+        fmt = FORMATS[prefix.lower()]
+        path = SAMPLE_PATHS[fmt.name] if rest == "sample" else Path(rest).expanduser()
+    elif colon and len(prefix) > 1 and prefix.isidentifier() and not Path(spec).exists():
+        raise SourceError(f"unknown record format {prefix!r} in {spec!r}; known formats: "
+                          f"{', '.join(sorted(FORMATS))} (write FORMAT:PATH, e.g. criteo:day_0.gz)")
+    else:
+        path = Path(spec).expanduser()
+        fmt = _guess_format(path)
+    if not path.is_file():
+        raise SourceError(f"no such file: {path} (from source {spec!r}; check the path, or use "
+                          "criteo:sample / avazu:sample for the bundled samples)")
+    return fmt, path
+
+
+def _guess_format(path: Path) -> RecordFormat:
+    name = path.name.lower()
+    for fmt_name in sorted(FORMATS):
+        if fmt_name in name:
+            return FORMATS[fmt_name]
+    stem = name[:-3] if name.endswith(".gz") else name
+    if stem.endswith(".tsv"):
+        return FORMATS["criteo"]
+    if stem.endswith(".csv"):
+        return FORMATS["avazu"]
+    raise SourceError(f"cannot tell the record format of {path}; write criteo:{path} or avazu:{path}")

@@ -1,0 +1,183 @@
+"""Synthetic Criteo-format click logs with realistic skew, for scale tests and benchmarks.
+
+Never a substitute for the real samples in accuracy checks (see DESIGN.md).
+
+Each row is a Criteo TSV line (label, I1..I13, C1..C26):
+- categorical ids are Zipf-distributed ranks per field over a bounded
+  vocabulary (``min(vocab_per_field, Criteo's real cardinality of the field)``),
+  sampled by inverting the continuous Zipf CDF so a vocabulary of any size
+  costs nothing; each (field, rank) is rendered as an 8-hex token; fields go
+  missing at Criteo's real per-field rates;
+- integer features are log-normal counts (heavy right tail, some -1 in I2),
+  missing at Criteo's real per-field rates (about 21% on average);
+- labels come from a hidden teacher: a logistic model with one random weight
+  per (field, id), derived by hashing, plus small dense weights, its bias
+  calibrated so the mean CTR is about 0.2.  A model can learn the teacher.
+
+Everything is vectorized per chunk of rows and deterministic for a seed.
+"""
+from __future__ import annotations
+
+import gzip as gzip_module
+from pathlib import Path
+
+import numpy as np
+
+from connectors.hashing import hash_ints
+
+CHUNK_ROWS = 32_768
+BASE_CTR = 0.2
+# Criteo Kaggle cardinality of C1..C26 (bounds the vocabulary of each field).
+CRITEO_CARDINALITY = np.array([1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145,
+                               5683, 8351593, 3194, 27, 14992, 5461306, 10, 5652, 2173, 4,
+                               7046547, 18, 15, 286181, 105, 142572], dtype=np.int64)
+# Missing-value shares from the real sample (SOURCES.md).
+CAT_MISSING = np.array([0, 0, 3.5, 3.5, 0, 13.5, 0, 0, 0, 0, 0, 3.5, 0, 0, 0, 3.5, 0, 0,
+                        44.8, 44.8, 3.5, 79.8, 0, 3.5, 44.8, 44.8]) / 100
+INT_MISSING = np.array([44.3, 0.0, 21.0, 21.7, 4.4, 24.5, 4.7, 0.1, 4.7, 44.3, 4.7, 77.0,
+                        21.7]) / 100
+# Rough medians of I1..I13 in Criteo; values are lognormal around them.
+INT_MEDIAN = np.array([1, 3, 10, 5, 3000, 50, 10, 10, 50, 1, 3, 1, 5], dtype=np.float64)
+INT_LOG_SIGMA = 1.3
+WEIGHT_STD = 0.3               # teacher weight per (field, id)
+DENSE_WEIGHT_STD = 0.15
+MISSING_INT = np.iinfo(np.int64).min     # an empty I-field in `render_criteo_lines`
+_HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+_TAB, _LF, _ZERO, _MINUS = 9, 10, 48, 45
+
+
+def write_synthetic_criteo(path: str | Path, n_records: int, seed: int = 0,
+                           zipf_exponent: float = 1.05, vocab_per_field: int = 10**6,
+                           gzip: bool = False) -> int:
+    """Write `n_records` synthetic Criteo TSV lines to `path`; returns the count written.
+
+    Deterministic for a given (seed, zipf_exponent, vocab_per_field), and
+    the file for n records is a prefix of the file for more.  With
+    ``gzip=True`` the file is a gzip stream (level 1, mtime 0).
+    """
+    vocab = np.minimum(CRITEO_CARDINALITY, vocab_per_field)
+    dense_w = np.random.default_rng([seed, 1]).normal(0.0, DENSE_WEIGHT_STD, 13)
+    bias = _calibrate_bias(np.random.default_rng([seed, 2]), vocab, zipf_exponent, dense_w, seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as raw:
+        out = gzip_module.GzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0) if gzip else raw
+        try:
+            for chunk, first in enumerate(range(0, n_records, CHUNK_ROWS)):
+                # Whole chunks from their own stream: a file is a prefix of any longer one.
+                rng = np.random.default_rng([seed, 3, chunk])
+                ranks, ints = _sample_features(rng, CHUNK_ROWS, vocab, zipf_exponent)
+                logits = bias + _teacher_logit(ranks, ints, dense_w, seed)
+                labels = (rng.random(CHUNK_ROWS) < 1.0 / (1.0 + np.exp(-logits))).astype(np.int64)
+                n = min(CHUNK_ROWS, n_records - first)
+                out.write(render_criteo_lines(labels[:n], ints[:n], _tokens(ranks[:n], seed)))
+        finally:
+            if gzip:
+                out.close()
+    return n_records
+
+
+def _sample_features(rng: np.random.Generator, n: int, vocab: np.ndarray,
+                     zipf_exponent: float) -> tuple[np.ndarray, np.ndarray]:
+    """Zipf ranks int64 [n, 26] (0 = missing) and integer features [n, 13] (MISSING_INT = missing)."""
+    ranks = zipf_ranks(rng.random((n, 26)), vocab, zipf_exponent)
+    ranks[rng.random((n, 26)) < CAT_MISSING] = 0
+    log_v = np.log1p(INT_MEDIAN) + INT_LOG_SIGMA * rng.standard_normal((n, 13))
+    ints = np.floor(np.expm1(log_v)).astype(np.int64)
+    ints[:, 1] = np.where(rng.random(n) < 0.05, -1, ints[:, 1])
+    ints[rng.random((n, 13)) < INT_MISSING] = MISSING_INT
+    return ranks, ints
+
+
+def zipf_ranks(u: np.ndarray, vocab: np.ndarray, exponent: float) -> np.ndarray:
+    """Ranks 1..vocab from uniforms `u` by inverting the continuous Zipf(exponent) CDF."""
+    top = (vocab + 1).astype(np.float64)
+    if abs(exponent - 1.0) < 1e-9:
+        x = np.exp(u * np.log(top))
+    else:
+        a = 1.0 - exponent
+        x = (1.0 + u * (top ** a - 1.0)) ** (1.0 / a)
+    return np.clip(np.floor(x).astype(np.int64), 1, vocab)
+
+
+def _teacher_logit(ranks: np.ndarray, ints: np.ndarray, dense_w: np.ndarray, seed: int) -> np.ndarray:
+    """Hidden-model logit without bias: per-(field, id) weights plus dense weights."""
+    fields = np.arange(26) + 1000 * (seed % 1_000_003 + 1)
+    h = hash_ints(ranks, fields).view(np.uint64)
+    uniform = (h >> np.uint64(11)).astype(np.float64) / float(1 << 52) * 2.0 - 1.0
+    cat = np.where(ranks > 0, uniform * (np.sqrt(3.0) * WEIGHT_STD), 0.0).sum(axis=1)
+    present = ints != MISSING_INT
+    centered = np.log1p(np.maximum(ints, 0)) - np.log1p(INT_MEDIAN)
+    return cat + (np.where(present, centered, 0.0) * dense_w).sum(axis=1)
+
+
+def _calibrate_bias(rng: np.random.Generator, vocab: np.ndarray, zipf_exponent: float,
+                    dense_w: np.ndarray, seed: int, n: int = 50_000) -> float:
+    """Bias making the mean teacher CTR about BASE_CTR on a calibration sample."""
+    ranks, ints = _sample_features(rng, n, vocab, zipf_exponent)
+    z = _teacher_logit(ranks, ints, dense_w, seed)
+    lo, hi = -20.0, 20.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if np.mean(1 / (1 + np.exp(-(z + mid)))) < BASE_CTR else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _tokens(ranks: np.ndarray, seed: int) -> np.ndarray:
+    """32-bit token value per (field, rank); rendered later as 8 hex characters."""
+    fields = np.arange(26) + 1000 * (seed % 1_000_003 + 1) + 500
+    return np.where(ranks > 0, hash_ints(ranks, fields) & 0xFFFFFFFF, -1)
+
+
+def render_criteo_lines(labels: np.ndarray, ints: np.ndarray, tokens: np.ndarray) -> bytes:
+    """Criteo TSV bytes of labels [n] (0/1), ints [n, 13] and tokens [n, 26].
+
+    An int equal to MISSING_INT and a token of -1 are rendered as empty fields;
+    other tokens (0 .. 2**32-1) as 8 lowercase hex digits.
+    """
+    n = len(labels)
+    neg = ints < 0
+    present = ints != MISSING_INT
+    mag = np.where(present, np.abs(np.where(present, ints, 0)), 0)
+    n_digits = np.where(present, _decimal_digits(mag) + neg, 0)
+    cat_present = tokens >= 0
+    lengths = np.concatenate([np.ones((n, 1), np.int64), n_digits, 8 * cat_present], axis=1)
+    line_len = lengths.sum(axis=1) + lengths.shape[1]              # fields + 39 tabs + LF
+    line_start = np.concatenate([[0], np.cumsum(line_len)[:-1]])
+    field_start = line_start[:, None] + np.concatenate(
+        [np.zeros((n, 1), np.int64), np.cumsum(lengths + 1, axis=1)[:, :-1]], axis=1)
+    out = np.full(int(line_len.sum()), _TAB, dtype=np.uint8)
+    out[line_start + line_len - 1] = _LF
+    out[field_start[:, 0]] = _ZERO + labels
+    _render_ints(out, field_start[:, 1:14], mag, neg & present, n_digits)
+    _render_hex(out, field_start[:, 14:], tokens, cat_present)
+    return out.tobytes()
+
+
+def _decimal_digits(mag: np.ndarray) -> np.ndarray:
+    """Number of decimal digits of non-negative ints (1 for 0)."""
+    digits = np.ones(mag.shape, dtype=np.int64)
+    bound = 10
+    while True:
+        more = mag >= bound
+        if not more.any():
+            return digits
+        digits += more
+        bound *= 10
+
+
+def _render_ints(out: np.ndarray, start: np.ndarray, mag: np.ndarray, neg: np.ndarray,
+                 n_chars: np.ndarray) -> None:
+    out[start[neg]] = _MINUS
+    n_digits = n_chars - neg
+    first = start + neg
+    for k in range(int(n_digits.max(initial=0))):
+        m = n_digits > k
+        power = 10 ** (n_digits[m] - 1 - k)
+        out[first[m] + k] = _ZERO + (mag[m] // power) % 10
+
+
+def _render_hex(out: np.ndarray, start: np.ndarray, tokens: np.ndarray, present: np.ndarray) -> None:
+    pos, tok = start[present], tokens[present]
+    for k in range(8):
+        out[pos + k] = _HEX[(tok >> (28 - 4 * k)) & 0xF]

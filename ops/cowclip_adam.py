@@ -1,0 +1,283 @@
+"""Fused CowClip + sparse Adam over the embedding rows present in a batch.
+
+For each present row i (unique index `rows[i]` into the table, seen
+`count[i]` times in the batch, gradient `grad[i]` of the MEAN batch loss):
+
+    w, m, v  = weight[rows[i]], exp_avg[rows[i]], exp_avg_sq[rows[i]]
+    g        = grad[i] + 2*l2*w                   # L2 on present rows (lazy)
+    # CowClip on the first `clip_dims` columns (the d-dim embedding); the
+    # columns after them (e.g. a 1-dim "linear" weight) get L2 and Adam only.
+    lower    = clip_r * sqrt(clip_dims) * clip_zeta
+    thr      = clip_r * count[i] * max(||w[:clip_dims]||, lower)
+    gn       = ||g[:clip_dims]||
+    g[:clip_dims] *= min(1, thr/gn)  if gn > 0   # no epsilon; zero stays zero
+    # Adam (torch semantics), on the clipped gradient
+    m = b1*m + (1-b1)*g ;  v = b2*v + (1-b2)*g*g
+    w = w - lr/(1-b1**step) * m / (sqrt(v)/sqrt(1-b2**step) + eps)
+
+Norms use the pre-update weights. The threshold is the repo's (see
+reference/cowclip.md 1.2); the paper's zeta is `clip_r**2 * sqrt(d) * clip_zeta`.
+Rows not in `rows` are untouched: this is the lazy variant DESIGN.md chooses.
+
+`cowclip_adam_reference` is pure torch; `cowclip_adam_triton` is one kernel,
+one program per block of rows, one pass over w, m, v and the gradient;
+`cowclip_adam_` picks one with `ops.dispatch.use_triton`.
+
+Importing this module does not import triton: the kernel is built on the
+first Triton call. `TRITON_INTERPRET=1` (the CPU interpreter, for tests)
+must be set before triton is first imported in the process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from .dispatch import check_triton_device, use_triton
+
+# Bound by _build_kernel() on the first Triton call, not at import: Triton
+# reads TRITON_INTERPRET when it is first imported (its own tl.sum & co. are
+# jit functions), so importing ops must not import it.
+triton = None
+tl = None
+
+
+@dataclass(frozen=True)
+class ClipStats:
+    """CowClip diagnostics of one update (cowclip.md 6.10).
+
+    `rows_clipped` (present rows whose gradient was scaled down) and
+    `rows_at_floor` (present rows with `||w[:clip_dims]|| < lower`) are int64
+    0-dim tensors on the table's device, so reading them is the caller's
+    sync point, not the op's. Both are 0 when `cowclip=False`.
+    `rows_present` is the number of rows updated (known on the host).
+    """
+
+    rows_clipped: torch.Tensor
+    rows_at_floor: torch.Tensor
+    rows_present: int
+
+    def clipped_fraction(self) -> torch.Tensor:
+        """Fraction of present rows that were clipped, a float32 0-dim tensor (0 when none present)."""
+        return self.rows_clipped.float() / max(self.rows_present, 1)
+
+
+def cowclip_adam_(
+    weight: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+    rows: torch.Tensor, grad: torch.Tensor, count: torch.Tensor, *,
+    step: int, lr: float, l2: float, clip_r: float, clip_zeta: float, clip_dims: int,
+    beta1: float, beta2: float, eps: float, cowclip: bool = True,
+) -> ClipStats:
+    """CowClip + Adam update of the rows `rows` of an embedding table, IN PLACE.
+
+    Args:
+        weight, exp_avg, exp_avg_sq: float32 [N_table, D], contiguous, same
+            device. The rows listed in `rows` are overwritten; no other row
+            is read or written.
+        rows: int64 [U], UNIQUE row indices into the table, any order (the
+            result does not depend on it). Duplicates or out-of-range
+            indices are not checked (that would need a host sync): the
+            Triton path would race or read out of bounds.
+        grad: float32 [U, D], gradient of the mean batch loss for each row,
+            already summed over the row's occurrences. Not modified.
+        count: integer [U], occurrences of each row in the batch (global over
+            replicas when the gradient is a global mean).
+        step: global Adam step (>= 1), for bias correction.
+        lr, l2: learning rate and L2 coefficient (gradient `2*l2*w`).
+        clip_r, clip_zeta: CowClip ratio r and per-coordinate floor zeta.
+        clip_dims: number of leading columns that are clipped (1..D).
+        beta1, beta2, eps: Adam constants.
+        cowclip: False skips the clip (plain sparse Adam with L2).
+
+    Returns:
+        ClipStats of 0-dim device tensors; the op does not sync the host.
+
+    Runs the Triton kernel on CUDA tensors (or when STREAM_CTR_FORCE_TRITON=1),
+    the torch reference otherwise.
+    """
+    impl = cowclip_adam_triton if use_triton(weight) else cowclip_adam_reference
+    return impl(weight, exp_avg, exp_avg_sq, rows, grad, count, step=step, lr=lr, l2=l2,
+                clip_r=clip_r, clip_zeta=clip_zeta, clip_dims=clip_dims,
+                beta1=beta1, beta2=beta2, eps=eps, cowclip=cowclip)
+
+
+def _check_args(weight, exp_avg, exp_avg_sq, rows, grad, count, step, clip_dims, cowclip) -> None:
+    # Shape, dtype and device checks only: nothing here reads tensor values.
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [N_table, D], got shape {tuple(weight.shape)}")
+    d = weight.shape[1]
+    u = rows.shape[0] if rows.dim() == 1 else -1
+    for name, t in (("weight", weight), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.dtype != torch.float32 or t.shape != weight.shape or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 {tuple(weight.shape)}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    if rows.dtype != torch.int64 or rows.dim() != 1:
+        raise ValueError(f"rows must be int64 [U], got {rows.dtype} {tuple(rows.shape)}")
+    if grad.dtype != torch.float32 or tuple(grad.shape) != (u, d):
+        raise ValueError(f"grad must be float32 [{u}, {d}], got {grad.dtype} {tuple(grad.shape)}")
+    if count.dtype.is_floating_point or count.dtype == torch.bool or tuple(count.shape) != (u,):
+        raise ValueError(f"count must be an integer [{u}] tensor, got {count.dtype} {tuple(count.shape)}")
+    devices = {t.device for t in (weight, exp_avg, exp_avg_sq, rows, grad, count)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (Adam bias correction), got {step}")
+    if cowclip and not 1 <= clip_dims <= d:
+        raise ValueError(f"clip_dims must be in [1, {d}], got {clip_dims}")
+
+
+def _zero_stats(device: torch.device, rows_present: int) -> ClipStats:
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    return ClipStats(zero, zero.clone(), rows_present)
+
+
+def clip_rows_reference(
+    w: torch.Tensor, g: torch.Tensor, count: torch.Tensor, *,
+    clip_r: float, clip_zeta: float, clip_dims: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CowClip of gathered rows (pure torch, out of place).
+
+    `w`, `g`: float [U, D] pre-update weights and (L2-added) gradients;
+    `count`: integer [U]. Returns `(g_clipped [U, D], clipped bool [U],
+    at_floor bool [U])`; only the first `clip_dims` columns are scaled.
+    """
+    lower = clip_r * math.sqrt(clip_dims) * clip_zeta
+    w_norm = torch.linalg.vector_norm(w[:, :clip_dims], dim=1)
+    g_norm = torch.linalg.vector_norm(g[:, :clip_dims], dim=1)
+    thr = clip_r * count.to(w.dtype) * torch.clamp_min(w_norm, lower)
+    clipped = g_norm > thr  # implies g_norm > 0: a zero row is never scaled
+    scale = torch.where(clipped, thr / torch.where(clipped, g_norm, 1.0), 1.0)
+    g_clipped = g.clone()
+    g_clipped[:, :clip_dims] *= scale[:, None]
+    return g_clipped, clipped, w_norm < lower
+
+
+def cowclip_adam_reference(
+    weight: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+    rows: torch.Tensor, grad: torch.Tensor, count: torch.Tensor, *,
+    step: int, lr: float, l2: float, clip_r: float, clip_zeta: float, clip_dims: int,
+    beta1: float, beta2: float, eps: float, cowclip: bool = True,
+) -> ClipStats:
+    """Pure-torch `cowclip_adam_`: index_select the rows, compute, index_copy_ back.
+
+    Same arguments, in-place effect and result as `cowclip_adam_`.
+    """
+    _check_args(weight, exp_avg, exp_avg_sq, rows, grad, count, step, clip_dims, cowclip)
+    if rows.numel() == 0:
+        return _zero_stats(weight.device, 0)
+    w = weight.index_select(0, rows)
+    m = exp_avg.index_select(0, rows)
+    v = exp_avg_sq.index_select(0, rows)
+
+    g = grad + (2.0 * l2) * w
+    stats = _zero_stats(weight.device, rows.numel())
+    if cowclip:
+        g, clipped, at_floor = clip_rows_reference(
+            w, g, count, clip_r=clip_r, clip_zeta=clip_zeta, clip_dims=clip_dims)
+        stats = ClipStats(clipped.sum(), at_floor.sum(), rows.numel())
+
+    step_size, bc2_sqrt = _bias_corrections(lr, beta1, beta2, step)
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * (g * g)
+    w = w - step_size * (m / (v.sqrt() / bc2_sqrt + eps))
+
+    weight.index_copy_(0, rows, w)
+    exp_avg.index_copy_(0, rows, m)
+    exp_avg_sq.index_copy_(0, rows, v)
+    return stats
+
+
+def _bias_corrections(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:
+    # As torch.optim.Adam computes them, in double on the host.
+    return lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step)
+
+
+def cowclip_adam_triton(
+    weight: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+    rows: torch.Tensor, grad: torch.Tensor, count: torch.Tensor, *,
+    step: int, lr: float, l2: float, clip_r: float, clip_zeta: float, clip_dims: int,
+    beta1: float, beta2: float, eps: float, cowclip: bool = True,
+) -> ClipStats:
+    """Triton `cowclip_adam_`: one fused pass, one program per block of rows.
+
+    Same arguments, in-place effect and result as `cowclip_adam_`. Runs on
+    CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1. Clip counts
+    are integer atomics, so the result is deterministic and independent of
+    the order of `rows`.
+    """
+    _check_args(weight, exp_avg, exp_avg_sq, rows, grad, count, step, clip_dims, cowclip)
+    check_triton_device(weight)
+    u, d = rows.numel(), weight.shape[1]
+    if u == 0 or d == 0:
+        return _zero_stats(weight.device, u)
+    grad = grad.contiguous()
+    count = count.contiguous()
+    stats = torch.zeros(2, dtype=torch.int32, device=weight.device)
+
+    kernel = _build_kernel()
+    step_size, bc2_sqrt = _bias_corrections(lr, beta1, beta2, step)
+    block_d = triton.next_power_of_2(d)
+    block_r = max(1, min(64, 4096 // block_d))
+    kernel[(triton.cdiv(u, block_r),)](
+        weight, exp_avg, exp_avg_sq, rows.contiguous(), grad, count, stats,
+        u, d, clip_dims if cowclip else d,
+        2.0 * l2, clip_r, clip_r * math.sqrt(clip_dims) * clip_zeta,
+        beta1, 1.0 - beta1, beta2, 1.0 - beta2, step_size, bc2_sqrt, eps,
+        COWCLIP=cowclip, BLOCK_R=block_r, BLOCK_D=block_d,
+    )
+    stats = stats.to(torch.int64)
+    return ClipStats(stats[0], stats[1], u)
+
+
+def _cowclip_adam_kernel(
+    w_ptr, m_ptr, v_ptr, rows_ptr, g_ptr, cnt_ptr, stats_ptr,
+    n_rows, D, clip_dims,
+    two_l2, clip_r, lower, beta1, one_minus_beta1, beta2, one_minus_beta2,
+    step_size, bc2_sqrt, eps,
+    COWCLIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Rows r of this program (int64: table offsets can pass 2**31), all columns.
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = r < n_rows
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    idx = tl.load(rows_ptr + r, mask=row_ok, other=0)
+    in_table = idx[:, None] * D + cols[None, :]
+    in_batch = r[:, None] * D + cols[None, :]
+
+    w = tl.load(w_ptr + in_table, mask=mask, other=0.0)
+    m = tl.load(m_ptr + in_table, mask=mask, other=0.0)
+    v = tl.load(v_ptr + in_table, mask=mask, other=0.0)
+    g = tl.load(g_ptr + in_batch, mask=mask, other=0.0) + two_l2 * w
+
+    if COWCLIP:
+        in_clip = (cols < clip_dims)[None, :]
+        w_norm = tl.sqrt(tl.sum(tl.where(in_clip, w * w, 0.0), axis=1))
+        g_norm = tl.sqrt(tl.sum(tl.where(in_clip, g * g, 0.0), axis=1))
+        cnt = tl.load(cnt_ptr + r, mask=row_ok, other=0).to(tl.float32)
+        thr = clip_r * cnt * tl.maximum(w_norm, lower)
+        clipped = g_norm > thr  # implies g_norm > 0; padded rows: 0 > 0 is False
+        scale = tl.where(clipped, thr / tl.where(clipped, g_norm, 1.0), 1.0)
+        g = tl.where(in_clip, g * scale[:, None], g)
+        tl.atomic_add(stats_ptr, tl.sum(clipped.to(tl.int32), axis=0))
+        tl.atomic_add(stats_ptr + 1, tl.sum((row_ok & (w_norm < lower)).to(tl.int32), axis=0))
+
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * (g * g)
+    w = w - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
+    tl.store(w_ptr + in_table, w, mask=mask)
+    tl.store(m_ptr + in_table, m, mask=mask)
+    tl.store(v_ptr + in_table, v, mask=mask)
+
+
+@cache
+def _build_kernel():
+    # First Triton use in this process: import triton now (binding the module
+    # globals the kernel body reads) and jit the kernel once.
+    global triton, tl
+    import triton
+    import triton.language as tl
+    return triton.jit(_cowclip_adam_kernel)

@@ -1,0 +1,88 @@
+"""Pick the Triton kernel or its pure-torch reference for a tensor.
+
+Every op in `ops/` has two implementations beside each other: `<op>_triton`
+and `<op>_reference`. The public dispatcher of an op asks `use_triton` which
+one to run:
+
+- CUDA tensors run the Triton kernel (the reference if triton is missing);
+- CPU tensors run the reference, unless `STREAM_CTR_FORCE_TRITON=1`, which
+  runs the Triton kernel through Triton's CPU interpreter. The interpreter
+  must be switched on with `TRITON_INTERPRET=1` before triton is first
+  imported in the process (Triton's own `tl.sum` & co. are jit functions
+  built at its import). Importing `ops` does not import triton, kernels are
+  built on first use; tests set the variable in `tests/ops/conftest.py`.
+
+`kernel_path` names the path for benchmark tables and logs. Both functions
+only read the tensor's device and the environment: no host-device sync.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import cache
+
+import torch
+
+FORCE_TRITON_ENV = "STREAM_CTR_FORCE_TRITON"
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+PATH_TRITON = "triton"
+PATH_TRITON_INTERPRETER = "triton-interpreter"
+PATH_REFERENCE = "torch-reference"
+
+
+@cache
+def triton_available() -> bool:
+    """True when the `triton` package can be imported (checked once, without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_forced() -> bool:
+    """True when `STREAM_CTR_FORCE_TRITON=1`: run Triton kernels even on CPU tensors."""
+    return os.environ.get(FORCE_TRITON_ENV) == "1"
+
+
+def triton_interpreting() -> bool:
+    """True when `TRITON_INTERPRET=1`: Triton kernels built from now on run on the CPU."""
+    return os.environ.get(INTERPRET_ENV) == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether an op on `t` should run its Triton kernel.
+
+    True for a CUDA tensor (when triton is installed), or for any tensor when
+    `STREAM_CTR_FORCE_TRITON=1`. Forcing Triton on a CPU tensor without
+    `TRITON_INTERPRET=1` is a configuration error and raises, rather than
+    failing later inside the kernel launch.
+    """
+    if t.is_cuda:
+        return triton_available()
+    if not triton_forced():
+        return False
+    if not triton_available():
+        raise RuntimeError(f"{FORCE_TRITON_ENV}=1 but the triton package is not installed")
+    if not triton_interpreting():
+        raise RuntimeError(
+            f"{FORCE_TRITON_ENV}=1 on a {t.device} tensor needs {INTERPRET_ENV}=1 "
+            "(Triton's CPU interpreter), set before triton is first imported"
+        )
+    return True
+
+
+def kernel_path(t: torch.Tensor) -> str:
+    """Name of the path an op on `t` takes: "triton", "triton-interpreter" or "torch-reference"."""
+    if not use_triton(t):
+        return PATH_REFERENCE
+    return PATH_TRITON_INTERPRETER if triton_interpreting() else PATH_TRITON
+
+
+def check_triton_device(t: torch.Tensor) -> None:
+    """Raise unless a Triton kernel can run on `t` (CUDA, or CPU under the interpreter)."""
+    if not triton_available():
+        raise RuntimeError("the triton package is not installed")
+    if not t.is_cuda and not triton_interpreting():
+        raise RuntimeError(
+            f"Triton kernels on {t.device} tensors need {INTERPRET_ENV}=1 "
+            "(Triton's CPU interpreter), set before triton is first imported"
+        )

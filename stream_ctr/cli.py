@@ -1,0 +1,193 @@
+"""`stream-ctr`: train, evaluate, generate synthetic data, benchmark.
+
+Every command ends with a one-line human summary on stdout; with `--json` that
+line is a JSON object instead (the last line of stdout). Errors a user can
+cause print one line `stream-ctr: error: ...` and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any, Callable
+
+from stream_ctr.config import ConfigError, load_config, set_option
+
+EPILOG = """examples:
+  stream-ctr train                                  # DeepFM on the bundled Criteo sample
+  stream-ctr train criteo:data/day_0.gz --batch-size 65536 --set optim.lr_dense=8e-3
+  stream-ctr train --resume runs/latest             # continue exactly where a run stopped
+  stream-ctr eval runs/latest avazu:sample --json
+  stream-ctr synth /tmp/criteo_1m.tsv --records 1000000
+  stream-ctr bench train --records 1000000
+
+options can also come from a TOML file (--config, or $STREAM_CTR_CONFIG) and from
+--set section.name=value (sections: data, model, optim, train)."""
+
+
+def _env(name: str, default: Any = None) -> Any:
+    return os.environ.get(name, default)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--quiet", action="store_true", help="no live progress on stderr")
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a CTR model on a stream or a file",
+                       description="Train with prequential (test-then-train) evaluation, "
+                                   "checkpointing at the end (and every N batches if asked).")
+    p.add_argument("source", nargs="?", help="criteo:PATH, avazu:PATH, a path, or "
+                   "criteo:sample / avazu:sample (bundled real samples). default: criteo:sample")
+    p.add_argument("--config", default=_env("STREAM_CTR_CONFIG"),
+                   help="TOML config file [env STREAM_CTR_CONFIG]")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE",
+                   help="override any config option (repeatable)")
+    p.add_argument("--model", choices=["deepfm", "wdl", "dcn", "dcnv2"], help="model.name")
+    p.add_argument("--batch-size", type=int, help="data.batch_size")
+    p.add_argument("--scale", type=float, help="apply CowClip's scaling rule with factor s to "
+                   "the configured batch size and rates (batch x s, l2 x s, lr_dense x sqrt(s))")
+    p.add_argument("--epochs", type=int, help="data.epochs (passes over a file)")
+    p.add_argument("--limit", type=int, help="data.limit_records: train at most N records")
+    p.add_argument("--holdout-fraction", type=float, help="data.holdout_fraction: keep the "
+                   "last F of the records out of training and evaluate on them at the end")
+    p.add_argument("--run-dir", default=_env("STREAM_CTR_RUN_DIR"),
+                   help="train.run_dir: checkpoints and dead letters go here [env STREAM_CTR_RUN_DIR]")
+    p.add_argument("--checkpoint-every", type=int, help="train.checkpoint_every_batches")
+    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint, checkpoint root or run dir")
+    p.add_argument("--device", default=_env("STREAM_CTR_DEVICE"),
+                   help="auto (CUDA if present), cpu, cuda[:N] [env STREAM_CTR_DEVICE]")
+    p.add_argument("--seed", type=int, help="train.seed")
+    p.add_argument("--threads", type=int, help="train.threads (torch intra-op threads)")
+    _add_common(p)
+    p.set_defaults(func=cmd_train)
+
+
+def _eval_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="score a file with a checkpoint: AUC, logloss, calibration")
+    p.add_argument("checkpoint", help="checkpoint directory, checkpoint root or run dir")
+    p.add_argument("source", help="criteo:PATH, avazu:PATH, or a path")
+    p.add_argument("--start", type=int, default=0, help="first data-line offset to score")
+    p.add_argument("--stop", type=int, default=None, help="stop before this data-line offset")
+    _add_common(p)
+    p.set_defaults(func=cmd_eval)
+
+
+def _synth_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("synth", help="write a synthetic Criteo-format file (Zipf ids, teacher labels)")
+    p.add_argument("output", help="output path (.gz for gzip)")
+    p.add_argument("--records", type=int, default=1_000_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids")
+    _add_common(p)
+    p.set_defaults(func=cmd_synth)
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print a table")
+    bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    b = bsub.add_parser("train", help="training throughput and peak memory of DeepFM")
+    b.add_argument("--records", type=int, default=1_000_000, help="rows of synthetic Criteo data")
+    b.add_argument("--batch-sizes", default="1024,8192,65536")
+    b.add_argument("--model", default="deepfm")
+    b.add_argument("--data", help="use this Criteo file instead of generating one")
+    b.add_argument("--threads", type=int, default=0)
+    _add_common(b)
+    b.set_defaults(func=cmd_bench_train)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stream-ctr", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Streaming trainer for click-through-rate models (DeepFM, W&D, DCN, DCNv2) "
+                    "with CowClip, tiered embeddings and prequential evaluation.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_train_parser, _eval_parser, _synth_parser, _bench_parser):
+        add(sub)
+    return parser
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    return x
+
+
+def emit(args: argparse.Namespace, summary: dict, line: str) -> None:
+    print(json.dumps(_finite(summary)) if args.json else line, flush=True)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from stream_ctr.config import scale_config
+    from stream_ctr.train_loop import train
+    cfg = load_config(args.config, args.set)
+    flags = {"source": ("data.source", args.source), "model": ("model.name", args.model),
+             "batch": ("data.batch_size", args.batch_size), "epochs": ("data.epochs", args.epochs),
+             "limit": ("data.limit_records", args.limit),
+             "holdout": ("data.holdout_fraction", args.holdout_fraction),
+             "run_dir": ("train.run_dir", args.run_dir),
+             "every": ("train.checkpoint_every_batches", args.checkpoint_every),
+             "device": ("train.device", args.device), "seed": ("train.seed", args.seed),
+             "threads": ("train.threads", args.threads)}
+    for dotted, value in flags.values():
+        if value is not None:
+            set_option(cfg, dotted, value, origin="command line")
+    if args.scale is not None:
+        cfg = scale_config(cfg, args.scale)
+    s = train(cfg, resume=args.resume, show_progress=not args.quiet)
+    test = (f"; test AUC {s.test['auc']:.4f} logloss {s.test['logloss']:.4f} "
+            f"on {s.test['records']:,} held-out records") if s.test else ""
+    emit(args, s.as_dict(),
+         f"trained {s.records_trained:,} records ({s.records_rejected:,} rejected) in "
+         f"{s.seconds:.1f} s, {s.samples_per_s:,.0f} samples/s; prequential AUC "
+         f"{s.window.get('auc', float('nan')):.4f}{test}; checkpoint {s.checkpoint}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from stream_ctr.train_loop import evaluate_checkpoint
+    result = evaluate_checkpoint(args.checkpoint, args.source, args.start, args.stop)
+    emit(args, result, f"AUC {result['auc']:.4f} logloss {result['logloss']:.4f} calibration "
+         f"{result['calibration']:.3f} on {result['records']:,} records ({result['checkpoint']})")
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    import time
+    from connectors.synth import write_synthetic_criteo
+    t0 = time.perf_counter()
+    n = write_synthetic_criteo(args.output, args.records, seed=args.seed, zipf_exponent=args.zipf,
+                               gzip=str(args.output).endswith(".gz"))
+    dt = time.perf_counter() - t0
+    emit(args, {"path": args.output, "records": n, "seconds": dt},
+         f"wrote {n:,} synthetic Criteo records to {args.output} in {dt:.1f} s")
+    return 0
+
+
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    from stream_ctr.bench import bench_train, format_table
+    rows = bench_train(args.records, [int(x) for x in args.batch_sizes.split(",")],
+                       args.model, args.data, args.threads, show_progress=not args.quiet)
+    if not args.json:
+        print(format_table(rows))
+    emit(args, {"bench": "train", "rows": rows}, f"bench train: {len(rows)} configurations measured")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from connectors.files import SourceError
+    from stream_ctr.checkpoint import CheckpointError
+    try:
+        return args.func(args)
+    except (ConfigError, SourceError, CheckpointError, FileNotFoundError) as e:
+        print(f"stream-ctr: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("stream-ctr: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,135 @@
+"""CowClip + Adam: torch.optim.Adam parity, dispatch, argument checks, clip properties."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ops.cowclip_adam import (
+    ClipStats, clip_rows_reference, cowclip_adam_, cowclip_adam_reference, cowclip_adam_triton)
+from ops.dispatch import FORCE_TRITON_ENV
+from tests.ops.conftest import needs_cuda, needs_interpreter
+from tests.ops.test_cowclip_adam import HPARAMS, make_batch, make_table, run
+
+
+@pytest.mark.parametrize("impl", [
+    pytest.param(cowclip_adam_reference, id="reference"),
+    pytest.param(cowclip_adam_triton, id="triton-interpreter", marks=needs_interpreter),
+])
+@pytest.mark.parametrize("cowclip", [False, True])
+def test_matches_torch_adam_when_nothing_is_clipped(impl, cowclip):
+    """All rows present, clip never binding: three steps equal torch.optim.Adam
+    with weight_decay = 2*l2 (Keras l2 has no 1/2 factor)."""
+    n, d, l2, lr = 20, 11, 1e-3, 1e-2
+    gen = torch.Generator().manual_seed(2)
+    w0 = torch.randn(n, d, generator=gen) * 0.03
+    param = torch.nn.Parameter(w0.clone())
+    adam = torch.optim.Adam([param], lr=lr, betas=(0.9, 0.999), eps=1e-7,
+                            weight_decay=2 * l2, foreach=False)
+    w, m, v = w0.clone(), torch.zeros(n, d), torch.zeros(n, d)
+    for step in range(1, 4):
+        grad = torch.randn(n, d, generator=gen) * 1e-2
+        rows = torch.randperm(n, generator=gen)
+        param.grad = grad.clone()
+        adam.step()
+        impl(w, m, v, rows, grad[rows], torch.ones(n, dtype=torch.int64), step=step, lr=lr,
+             l2=l2, clip_r=1e6, clip_zeta=0.0, clip_dims=d, beta1=0.9, beta2=0.999,
+             eps=1e-7, cowclip=cowclip)
+    state = adam.state[param]
+    torch.testing.assert_close(w, param.detach(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(m, state["exp_avg"], rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(v, state["exp_avg_sq"], rtol=1e-5, atol=1e-12)
+
+
+def test_dispatcher_uses_reference_on_cpu(monkeypatch):
+    table = make_table(30, 10, seed=1)
+    batch = make_batch(30, 12, 10, seed=1)
+    calls = []
+    monkeypatch.setattr("ops.cowclip_adam.cowclip_adam_triton",
+                        lambda *a, **k: calls.append("triton"))
+    *out, _ = run(cowclip_adam_, table, batch, clip_dims=10)
+    *ref, _ = run(cowclip_adam_reference, table, batch, clip_dims=10)
+    assert calls == [] and all(torch.equal(x, y) for x, y in zip(out, ref))
+
+
+@needs_interpreter
+def test_dispatcher_forced_triton_on_cpu(monkeypatch):
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    table = make_table(30, 10, seed=1)
+    batch = make_batch(30, 12, 10, seed=1)
+    *out, _ = run(cowclip_adam_, table, batch, clip_dims=10)
+    *tri, _ = run(cowclip_adam_triton, table, batch, clip_dims=10)
+    assert all(torch.equal(x, y) for x, y in zip(out, tri))
+
+
+@needs_cuda
+def test_dispatcher_uses_triton_on_cuda(monkeypatch):
+    calls = []
+    monkeypatch.setattr("ops.cowclip_adam.cowclip_adam_triton",
+                        lambda *a, **k: calls.append("triton"))
+    table = make_table(30, 10, seed=1, device="cuda")
+    run(cowclip_adam_, table, make_batch(30, 12, 10, seed=1, device="cuda"), clip_dims=10)
+    assert calls == ["triton"]
+
+
+@pytest.mark.parametrize("impl", [
+    pytest.param(cowclip_adam_reference, id="reference"),
+    pytest.param(cowclip_adam_triton, id="triton-interpreter", marks=needs_interpreter),
+])
+def test_stats_are_device_scalars_and_count_dtype_is_free(impl):
+    table = make_table(50, 10, seed=4)
+    rows, grad, count = make_batch(50, 40, 10, seed=4)
+    *a, sa = run(impl, table, (rows, grad, count), clip_zeta=1e-3, clip_dims=10)
+    *b, sb = run(impl, table, (rows, grad, count.int()), clip_zeta=1e-3, clip_dims=10)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert isinstance(sa, ClipStats) and sa.rows_present == 40
+    for t in (sa.rows_clipped, sa.rows_at_floor):
+        assert t.dim() == 0 and t.dtype == torch.int64
+    assert sa.clipped_fraction().item() == pytest.approx(sa.rows_clipped.item() / 40)
+    assert sa.rows_clipped.item() == sb.rows_clipped.item()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(weight=torch.zeros(8, 4, dtype=torch.float64)), "weight"),
+    (dict(exp_avg=torch.zeros(4, 8).t()), "exp_avg"),  # right shape, not contiguous
+    (dict(rows=torch.arange(3, dtype=torch.int32)), "rows"),
+    (dict(grad=torch.zeros(3, 5)), "grad"),
+    (dict(count=torch.ones(3)), "count"),
+    (dict(step=0), "step"),
+    (dict(clip_dims=5), "clip_dims"),
+    (dict(clip_dims=0), "clip_dims"),
+])
+def test_bad_arguments_name_the_argument(change, message):
+    args = dict(weight=torch.zeros(8, 4), exp_avg=torch.zeros(8, 4), exp_avg_sq=torch.zeros(8, 4),
+                rows=torch.arange(3), grad=torch.zeros(3, 4), count=torch.ones(3, dtype=torch.int64))
+    kw = {**HPARAMS, "clip_dims": 4}
+    for key, value in change.items():
+        (args if key in args else kw)[key] = value
+    with pytest.raises(ValueError, match=message):
+        cowclip_adam_reference(*args.values(), **kw)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    w_norm=st.floats(0.0, 1.0), g_norm=st.floats(0.0, 10.0), count=st.integers(1, 1000),
+    r=st.floats(0.1, 4.0), zeta=st.sampled_from([0.0, 1e-5, 1e-4, 1e-3]),
+    d=st.integers(1, 16), seed=st.integers(0, 2**16),
+)
+def test_clip_property(w_norm, g_norm, count, r, zeta, d, seed):
+    """6.1-6.3 for any inputs: ||g'|| = min(||g||, thr), same direction, finite."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.nn.functional.normalize(torch.randn(1, d, generator=gen), dim=1) * w_norm
+    g = torch.nn.functional.normalize(torch.randn(1, d, generator=gen), dim=1) * g_norm
+    g_clip, clipped, at_floor = clip_rows_reference(
+        w.double(), g.double(), torch.tensor([count]), clip_r=r, clip_zeta=zeta, clip_dims=d)
+    lower = r * math.sqrt(d) * zeta
+    thr = r * count * max(w.double().norm().item(), lower)
+    g_norm = g.double().norm().item()
+    assert torch.isfinite(g_clip).all()
+    assert g_clip.norm().item() == pytest.approx(min(g_norm, thr), rel=1e-12, abs=1e-300)
+    if g_norm > 0 and thr > 0:
+        assert torch.allclose(g_clip / g_clip.norm(), g.double() / g_norm, atol=1e-12)
+    assert clipped.item() == (g_norm > thr)
+    assert at_floor.item() == (w.double().norm().item() < lower)
