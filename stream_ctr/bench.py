@@ -43,9 +43,9 @@ def _batches(path: str, batch_size: int) -> list[Batch]:
 
 def _worker(path: str, model: str, batch_size: int, threads: int, queue: mp.Queue) -> None:
     from stream_ctr.trainer import Trainer
+    from stream_ctr.train_loop import configure_torch
     cfg = _bench_config(model, batch_size, threads)
-    if threads:
-        torch.set_num_threads(threads)
+    configure_torch(cfg)
     fmt, _ = detect_format(f"criteo:{path}")
 
     # Excluding decoding: decode everything first, then time only the steps.

@@ -69,10 +69,17 @@ class Trainer:
         labels = torch.from_numpy(batch.labels).to(self.device, non_blocking=True)
         return dense, labels
 
-    def _forward(self, rows_per_slot: torch.Tensor, b: int, dense: torch.Tensor) -> torch.Tensor:
+    def _forward(self, rows: torch.Tensor, inverse: torch.Tensor, b: int,
+                 dense: torch.Tensor) -> torch.Tensor:
+        """Logits from unique rows [U, d+1] and each slot's index into them [B*F].
+
+        Embedding and linear columns are split at the unique-row level, so the
+        backward of the split touches [U, d+1], not [B, F, d+1].
+        """
         d = self.cfg.model.embed_dim
-        x = rows_per_slot.view(b, self.n_fields, d + 1)
-        return self.model(x[..., :d], x[..., d], dense)
+        emb = gather_rows(rows[:, :d].contiguous(), inverse).view(b, self.n_fields, d)
+        lin = rows[:, d][inverse].view(b, self.n_fields)
+        return self.model(emb, lin, dense)
 
     def train_step(self, batch: Batch) -> StepResult:
         t0 = time.perf_counter()
@@ -88,7 +95,7 @@ class Trainer:
         t1 = time.perf_counter()
 
         # Forward on the pre-update weights (these are the prequential scores), backward.
-        logits = self._forward(gather_rows(rows, inverse), b, dense)
+        logits = self._forward(rows, inverse, b, dense)
         loss = F.binary_cross_entropy_with_logits(logits, labels)
         o = self.cfg.optim
         reg = sum((p.square().sum() for p in self.l2_params.get("linear", [])), torch.zeros((), device=self.device)) * o.l2 \
@@ -123,7 +130,7 @@ class Trainer:
         rows = self.store.peek(uniq)
         was_training = self.model.training
         self.model.eval()
-        logits = self._forward(rows[inverse], len(batch), dense)
+        logits = self._forward(rows, inverse, len(batch), dense)
         self.model.train(was_training)
         return torch.sigmoid(logits).cpu().numpy()
 

@@ -1,0 +1,89 @@
+"""The CLI as a user runs it: real subprocesses, real files."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+CLI = [sys.executable, "-m", "stream_ctr"]
+
+
+def run(*args, timeout=300):
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_reads_well():
+    out = run("--help")
+    assert out.returncode == 0
+    for word in ("train", "eval", "synth", "bench", "examples:"):
+        assert word in out.stdout
+    assert "STREAM_CTR_CONFIG" in run("train", "--help").stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["train", "criteo:/no/such/file.tsv"], "/no/such/file.tsv"),
+    (["train", "parquet:/tmp/x"], "parquet"),
+    (["train", "--set", "model.name=xgboost"], "model.name"),
+    (["train", "--batch-size", "0"], "data.batch_size"),
+    (["train", "--resume", "/no/such/run"], "no checkpoint"),
+    (["eval", "/no/such/run", "criteo:sample"], "no checkpoint"),
+])
+def test_user_errors_are_one_clear_line(args, needle, tmp_path):
+    out = run(*args, "--run-dir", str(tmp_path)) if args[0] == "train" else run(*args)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("stream-ctr: error:") and needle in lines[0], out.stderr
+
+
+def test_train_json_then_eval(tmp_path):
+    run_dir = tmp_path / "run"
+    out = run("train", "criteo:sample", "--holdout-fraction", "0.1", "--limit", "2000",
+              "--set", "model.mlp_dims=32,32", "--run-dir", str(run_dir), "--json")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("records_trained", "records_rejected", "samples_per_s", "test_auc", "test_logloss"):
+        assert key in summary
+    assert summary["records_trained"] == 2000 and summary["test_records"] == 1449
+    ev = run("eval", str(run_dir), "criteo:sample", "--start", "13044", "--json")
+    assert ev.returncode == 0, ev.stderr
+    result = json.loads(ev.stdout.strip().splitlines()[-1])
+    assert result["records"] == 1449
+    assert abs(result["auc"] - summary["test_auc"]) < 1e-9      # same model, same records
+    mismatch = run("eval", str(run_dir), "avazu:sample")
+    assert mismatch.returncode == 2 and "do not match" in mismatch.stderr
+
+
+def test_sigterm_finishes_batch_and_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(CLI + ["train", "criteo:sample", "--epochs", "1000", "--batch-size", "64",
+                                   "--run-dir", str(run_dir), "--json", "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (run_dir / "dead_letter.jsonl").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(3)          # let it train for a while
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["records_trained"] > 0
+    assert (run_dir / "checkpoints" / "LATEST").exists()
+    ckpt = (run_dir / "checkpoints" / (run_dir / "checkpoints" / "LATEST").read_text())
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["records_trained"] == summary["records_trained"]
+
+
+def test_synth_writes_decodable_file(tmp_path):
+    path = tmp_path / "s.tsv"
+    out = run("synth", str(path), "--records", "5000", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["records"] == 5000
+    assert sum(1 for _ in open(path)) == 5000

@@ -1,0 +1,100 @@
+"""End-to-end training on the real bundled samples: resume bit-identity, holdout, dead letters."""
+import gzip
+import json
+
+import pytest
+import torch
+
+from connectors.files import SAMPLE_PATHS
+from stream_ctr.checkpoint import CheckpointError, load_checkpoint
+from stream_ctr.config import Config, ConfigError
+from stream_ctr.train_loop import train
+
+
+def small_config(tmp_path, **data) -> Config:
+    cfg = Config()
+    cfg.model.mlp_dims = (32, 32)
+    cfg.data.batch_size = 128
+    cfg.train.run_dir = str(tmp_path / "run")
+    cfg.train.threads = 1
+    for k, v in data.items():
+        setattr(cfg.data, k, v)
+    return cfg
+
+
+def tensors_equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_resume_is_bit_identical(tmp_path):
+    # N + M batches in one run ...
+    whole = small_config(tmp_path / "whole", limit_records=20 * 128)
+    s = train(whole, show_progress=False)
+    assert s.records_trained == 20 * 128 and s.batches == 20
+    # ... equal N batches, stop, resume, M more.
+    part = small_config(tmp_path / "part", limit_records=8 * 128)
+    train(part, show_progress=False)
+    part.data.limit_records = 12 * 128
+    s2 = train(part, resume=part.train.run_dir, show_progress=False)
+    assert s2.records_trained == 12 * 128 and s2.records_trained_total == 20 * 128
+    a = load_checkpoint(whole.train.run_dir).tensors["trainer"]
+    b = load_checkpoint(part.train.run_dir).tensors["trainer"]
+    assert a["step"] == b["step"] == 20
+    assert tensors_equal(a["model"], b["model"])
+    assert tensors_equal(a["store"], b["store"])
+    assert tensors_equal(a["dense_opt"]["state"], b["dense_opt"]["state"])
+    assert load_checkpoint(whole.train.run_dir).positions == {"file:criteo_kaggle_sample_14493.tsv.gz": 2560}
+
+
+def test_holdout_is_never_trained(tmp_path):
+    cfg = small_config(tmp_path, holdout_fraction=0.1)
+    s = train(cfg, show_progress=False)
+    assert s.records_trained == 14493 - 1449
+    assert s.test["records"] == 1449
+    assert 0.5 < s.test["auc"] < 1.0
+    ckpt = load_checkpoint(cfg.train.run_dir)
+    assert ckpt.positions == {}          # the epoch over the training part completed
+    assert ckpt.extra["epoch"] == 1
+
+
+def test_avazu_sample_trains(tmp_path):
+    cfg = small_config(tmp_path, source="avazu:sample", holdout_fraction=0.2)
+    s = train(cfg, show_progress=False)
+    assert s.records_trained == 9999 - 2000 and s.test["records"] == 2000
+
+
+def test_bad_lines_are_dead_lettered_not_dropped(tmp_path):
+    lines = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:1000]
+    lines[10] = b"1\t2\t3"                                  # wrong field count
+    lines[20] = b"x" + lines[20][1:]                          # bad label
+    path = tmp_path / "criteo_bad.tsv"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    cfg = small_config(tmp_path, source=f"criteo:{path}")
+    s = train(cfg, show_progress=False)
+    assert s.records_trained == 998 and s.records_rejected == 2
+    assert s.rejected_by_reason == {"field_count": 1, "bad_label": 1}
+    dead = [json.loads(x) for x in open(s.dead_letter_path)]
+    assert [d["line"] for d in dead] == [11, 21]
+
+
+def test_resume_from_corrupt_checkpoint_fails_clearly(tmp_path):
+    cfg = small_config(tmp_path, limit_records=256)
+    s = train(cfg, show_progress=False)
+    (tmp_path / "run" / "checkpoints" / "ckpt-00000002" / "tensors.pt").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="checksum"):
+        train(cfg, resume=cfg.train.run_dir, show_progress=False)
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        train(cfg, resume=str(tmp_path / "nowhere"), show_progress=False)
+
+
+def test_bad_config_value_is_named(tmp_path):
+    cfg = small_config(tmp_path)
+    cfg.data.batch_size = 0
+    with pytest.raises(ConfigError, match="data.batch_size"):
+        train(cfg, show_progress=False)
