@@ -32,6 +32,10 @@ class RunSummary:
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
     batches: int = 0
     skipped_batches: int = 0
+    # CowClip diagnostics (reference/cowclip.md 6.10): share of the embedding
+    # rows present in a batch whose gradient was clipped, and at the norm floor.
+    clipped_row_fraction: float = 0.0
+    floor_row_fraction: float = 0.0
     seconds: float = 0.0
     samples_per_s: float = 0.0
     window: dict[str, float] = field(default_factory=dict)
@@ -129,6 +133,7 @@ class Run:
         self.dead_letter = DeadLetterFile(cfg.data.dead_letter_path or run_dir / "dead_letter.jsonl")
         self.summary = RunSummary(dead_letter_path=str(self.dead_letter.path))
         self.remaining = cfg.data.limit_records or -1      # -1: no limit
+        self.rows_touched = self.rows_clipped = self.rows_at_floor = 0
 
     @property
     def limit_reached(self) -> bool:
@@ -146,6 +151,9 @@ class Run:
         self.summary.records_trained += len(batch)
         self.summary.batches += 1
         self.summary.skipped_batches += int(result.skipped)
+        self.rows_touched += result.rows_touched
+        self.rows_clipped += int(result.rows_clipped)
+        self.rows_at_floor += int(result.rows_at_floor)
         if self.remaining > 0:
             self.remaining -= len(batch)
 
@@ -170,6 +178,8 @@ class Run:
         s.records_trained_total = self.total_before + s.records_trained
         s.samples_per_s = s.records_trained / max(seconds, 1e-9)
         s.window = self.window.window().as_dict()
+        s.clipped_row_fraction = self.rows_clipped / max(self.rows_touched, 1)
+        s.floor_row_fraction = self.rows_at_floor / max(self.rows_touched, 1)
         s.rejected_by_reason = dict(self.dead_letter.counts)
         s.records_rejected = sum(self.dead_letter.counts.values())
         self.dead_letter.close()
