@@ -2,8 +2,10 @@
 
 Every operation works on whole tensors of keys (no per-key Python), on CPU or
 on CUDA tensors alike: a lookup is a loop over probe *rounds*, each round one
-gather over all keys still unresolved. With the load factor kept at or below
-one half, linear probing needs about 1.5 rounds on average for hits.
+gather of a window of `PROBE_WINDOW` consecutive slots for every key still
+unresolved. Linear probing at load 1/2 has probe sequences up to ~40 slots
+long on a batch's 10^4-10^5 keys; looking at 8 slots per round cuts the rounds
+from ~20 to ~3 (measured: 3.5 ms -> see BENCHMARKS.md).
 
 Row ids are handed out densely (0, 1, 2, ...) in the order keys are inserted,
 so the row a key gets does not depend on where it landed in the slot array:
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 EMPTY = -1                      # feature signs are non-negative, so -1 marks a free slot
+PROBE_WINDOW = 8
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
 _MIX = -4658895280553007687     # 0xBF58476D1CE4E5B9 as a signed int64
 
@@ -48,17 +51,21 @@ class KeyIndex:
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """Row id of each key, or -1 where the key is absent."""
         mask = self.capacity - 1
+        window = torch.arange(PROBE_WINDOW, device=keys.device)
         pos = _slot_hash(keys, mask)
         rows = torch.full_like(keys, EMPTY)
         active = torch.arange(keys.numel(), device=keys.device)
         while active.numel():
-            p = pos[active]
-            found = self.slot_keys[p]
-            hit = found == keys[active]
-            rows[active[hit]] = self.slot_rows[p[hit]]
-            cont = ~(hit | (found == EMPTY))
+            slots = (pos[active, None] + window) & mask            # [n, W]
+            found = self.slot_keys[slots]
+            hit = found == keys[active, None]
+            hit_any = hit.any(1)
+            first_hit = hit.to(torch.int8).argmax(1)
+            rows[active[hit_any]] = self.slot_rows[slots[hit_any, first_hit[hit_any]]]
+            # Keys are never deleted, so a key cannot sit beyond a free slot.
+            cont = ~(hit_any | (found == EMPTY).any(1))
             active = active[cont]
-            pos[active] = (p[cont] + 1) & mask
+            pos[active] = (pos[active] + PROBE_WINDOW) & mask
         return rows
 
     def insert(self, keys: torch.Tensor) -> torch.Tensor:
@@ -84,19 +91,25 @@ class KeyIndex:
 
     def _place(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         mask = self.capacity - 1
+        window = torch.arange(PROBE_WINDOW, device=keys.device)
         pos = _slot_hash(keys, mask)
         pending = torch.arange(keys.numel(), device=keys.device)
         while pending.numel():
-            p = pos[pending]
-            free = self.slot_keys[p] == EMPTY
-            cand, cand_pos = pending[free], p[free]
+            slots = (pos[pending, None] + window) & mask
+            free = self.slot_keys[slots] == EMPTY
+            has_free = free.any(1)
+            # No free slot in this window: move on to the next one.
+            full = pending[~has_free]
+            pos[full] = (pos[full] + PROBE_WINDOW) & mask
+            cand = pending[has_free]
+            target = slots[has_free, free[has_free].to(torch.int8).argmax(1)]
             # Several keys may race for one free slot: one write wins, and the
-            # read-back tells each key whether it was the one.
-            self.slot_keys[cand_pos] = keys[cand]
-            won = self.slot_keys[cand_pos] == keys[cand]
-            self.slot_rows[cand_pos[won]] = rows[cand[won]]
-            pending = torch.cat([pending[~free], cand[~won]])
-            pos[pending] = (pos[pending] + 1) & mask
+            # read-back tells each key whether it was the one. Losers rescan
+            # the same window, where that slot is now taken.
+            self.slot_keys[target] = keys[cand]
+            won = self.slot_keys[target] == keys[cand]
+            self.slot_rows[target[won]] = rows[cand[won]]
+            pending = torch.cat([full, cand[~won]])
 
     def _grow(self, min_size: int) -> None:
         cap = self.capacity
