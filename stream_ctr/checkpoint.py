@@ -7,12 +7,17 @@ Layout of CHECKPOINT_DIR::
         tensors.pt         dense model, dense optimizer, embedding rows + moments,
                            prequential window (torch.save, loaded weights_only=True)
         state.json         step, records, source positions, resolved config, totals
-        manifest.json      checkpoint id and the sha256 of each file above
+        manifest.json      checkpoint id and the sha256 of each file above; with a
+                           tiered store, the LMDB generation it committed
 
 A checkpoint is written into a temporary directory, fsynced, then renamed into
 place; only then does LATEST move. A crash at any point leaves the previous
 checkpoint valid and LATEST pointing at it. The source positions inside are the
 offsets *after* the last trained record: resuming reads exactly what follows.
+A tiered embedding store keeps its rows in LMDB, not in tensors.pt: its
+checkpoint is one LMDB transaction (a generation) committed just before these
+files are written; resuming rolls LMDB back to that generation
+(stream_ctr/store/lmdb_tier.py says why a crash anywhere in between is safe).
 """
 from __future__ import annotations
 
@@ -89,6 +94,10 @@ def save_checkpoint(directory: str | Path, state: CheckpointState, keep: int = 3
         _write_file(tmp / "state.json", json.dumps(meta, indent=1, sort_keys=True).encode())
         manifest = {"checkpoint": name, "format_version": FORMAT_VERSION,
                     "files": {n: _sha256(tmp / n) for n in ("tensors.pt", "state.json")}}
+        store = state.tensors.get("trainer", {}).get("store", {}) if isinstance(state.tensors, dict) else {}
+        if store.get("kind") == "tiered":
+            # The LMDB generation this checkpoint committed (stream_ctr/store/lmdb_tier.py).
+            manifest["embedding_store"] = {k: store[k] for k in ("store_dir", "store_id", "generation", "nonce")}
         _write_file(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
         if final.exists():       # same step saved again (e.g. end of run right after a periodic one)
@@ -122,6 +131,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return p / latest.read_text().strip()
     if (p / "checkpoints" / "LATEST").exists():       # a run directory
         return resolve_checkpoint(p / "checkpoints")
+    if any((d / "LATEST_JOB").exists() or (d / "job.json").exists() for d in (p, p / "checkpoints")):
+        raise CheckpointError(f"{p} holds a distributed job's checkpoint (stream_ctr/job_checkpoint.py): "
+                              "resume it with the same number of ranks, e.g. torchrun "
+                              "--nproc-per-node=N -m stream_ctr train --resume ...")
     raise CheckpointError(f"no checkpoint at {p}: expected a checkpoint directory "
                           "(with manifest.json), a checkpoint root (with LATEST) or a run directory")
 

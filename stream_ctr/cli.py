@@ -22,13 +22,28 @@ EPILOG = """examples:
   stream-ctr eval runs/latest avazu:sample --json
   stream-ctr synth /tmp/criteo_1m.tsv --records 1000000
   stream-ctr bench train --records 1000000
+  stream-ctr train --cache-bytes 2GiB --ram-bytes 32GiB --disk-bytes 2TB --store-dir /ssd/emb
+  stream-ctr bench store --distinct 100000000 --store-dir /ssd/bench
+  stream-ctr train --metrics-port 9420               # Prometheus scrapes 127.0.0.1:9420/metrics
+  stream-ctr report runs/latest                     # PNG plots + one-page HTML of a run
+  stream-ctr replay criteo:sample --to kafka://127.0.0.1:9092/clicks --partitions 3
+  stream-ctr train 'kafka://127.0.0.1:9092/clicks?group=ctr' --checkpoint-every 100
+  stream-ctr bench ingest                           # Kafka consume + decode throughput
 
 options can also come from a TOML file (--config, or $STREAM_CTR_CONFIG) and from
---set section.name=value (sections: data, model, optim, train)."""
+--set section.name=value (sections: data, model, optim, train, metrics, kafka)."""
 
 
 def _env(name: str, default: Any = None) -> Any:
     return os.environ.get(name, default)
+
+
+def _byte_size(text: str) -> int:
+    from stream_ctr.config import parse_bytes
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -40,8 +55,14 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a CTR model on a stream or a file",
                        description="Train with prequential (test-then-train) evaluation, "
                                    "checkpointing at the end (and every N batches if asked).")
-    p.add_argument("source", nargs="?", help="criteo:PATH, avazu:PATH, a path, or "
-                   "criteo:sample / avazu:sample (bundled real samples). default: criteo:sample")
+    p.add_argument("source", nargs="?", help="criteo:PATH, avazu:PATH, a path, "
+                   "criteo:sample / avazu:sample (bundled real samples), or a Kafka topic "
+                   "kafka://HOST:PORT/TOPIC?group=G&format=criteo (options: [kafka] config "
+                   "section). default: criteo:sample")
+    p.add_argument("--stop-after-records", type=int, metavar="N", help="data.limit_records: "
+                   "stop after training N records in this invocation (streams: backfills, tests)")
+    p.add_argument("--stop-when-idle", type=float, metavar="SECONDS", help="kafka.stop_when_idle_s: "
+                   "end a Kafka run after this long without new records")
     p.add_argument("--config", default=_env("STREAM_CTR_CONFIG"),
                    help="TOML config file [env STREAM_CTR_CONFIG]")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE",
@@ -62,6 +83,28 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="auto (CUDA if present), cpu, cuda[:N] [env STREAM_CTR_DEVICE]")
     p.add_argument("--seed", type=int, help="train.seed")
     p.add_argument("--threads", type=int, help="train.threads (torch intra-op threads)")
+    p.add_argument("--store", choices=["memory", "tiered"], help="store.kind: embedding rows in "
+                   "one device table, or tiered (device cache + host RAM + LMDB on disk)")
+    for flag, what in (("cache-bytes", "device cache"), ("ram-bytes", "host RAM tier"),
+                       ("disk-bytes", "LMDB store cap")):
+        p.add_argument(f"--{flag}", type=_byte_size, metavar="SIZE",
+                       help=f"store.{flag.replace('-', '_')}: {what} budget, e.g. 512MiB, 8GB "
+                       "(implies --store tiered)")
+    p.add_argument("--store-dir", help="store.store_dir: LMDB directory of the tiered store "
+                   "(default RUN_DIR/store; implies --store tiered)")
+    p.add_argument("--metrics-port", type=int, default=_env("STREAM_CTR_METRICS_PORT"),
+                   help="metrics.port: serve Prometheus metrics on this port (+ local rank under "
+                   "torchrun); 0 = off [env STREAM_CTR_METRICS_PORT]")
+    p.add_argument("--metrics-addr", default=_env("STREAM_CTR_METRICS_ADDR"),
+                   help="metrics.addr: address the metrics endpoint binds (default 127.0.0.1; "
+                   "0.0.0.0 for remote scrapers) [env STREAM_CTR_METRICS_ADDR]")
+    p.add_argument("--distributed", action="store_true",
+                   help="train as several replicas (sharded embeddings, k-step dense merging); "
+                   "automatic under torchrun, otherwise starts --nproc-per-node local ranks")
+    p.add_argument("--nproc-per-node", type=int, default=2, metavar="N",
+                   help="ranks --distributed starts on this machine without torchrun (default 2)")
+    p.add_argument("--merge-every", type=int, metavar="K",
+                   help="distributed.merge_every_k_steps: average the dense replicas every K steps")
     _add_common(p)
     p.set_defaults(func=cmd_train)
 
@@ -97,6 +140,31 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--threads", type=int, default=0)
     _add_common(b)
     b.set_defaults(func=cmd_bench_train)
+    from stream_ctr.cli_kafka import add_bench_ingest_parser
+    add_bench_ingest_parser(bsub, _add_common)
+    from stream_ctr.bench_store import add_bench_store_parser
+    add_bench_store_parser(bsub, _add_common, _byte_size)
+    from stream_ctr.bench_merge import add_bench_merge_parser
+    add_bench_merge_parser(bsub, _add_common)
+
+
+def _report_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="plots (PNG) and a one-page HTML summary of a run",
+                       description="Read RUN_DIR/timeseries.jsonl (written while training) and write "
+                                   "AUC/logloss, throughput, lag and tier hit-ratio plots plus "
+                                   "index.html into RUN_DIR/report (or --out).")
+    p.add_argument("run_dir", help="run directory, or a checkpoint directory inside one")
+    p.add_argument("--out", help="output directory (default RUN_DIR/report)")
+    _add_common(p)
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from stream_ctr.report import write_report
+    out = write_report(args.run_dir, args.out)
+    emit(args, {"report": str(out.html), "plots": [str(p) for p in out.plots], "records": out.records},
+         f"report of {out.records:,} trained records: {out.html} ({len(out.plots)} plots)")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,8 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Streaming trainer for click-through-rate models (DeepFM, W&D, DCN, DCNv2) "
                     "with CowClip, tiered embeddings and prequential evaluation.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_train_parser, _eval_parser, _synth_parser, _bench_parser):
+    for add in (_train_parser, _eval_parser, _synth_parser, _bench_parser, _report_parser):
         add(sub)
+    from stream_ctr.cli_kafka import add_replay_parser
+    add_replay_parser(sub, _add_common)
     return parser
 
 
@@ -129,17 +199,44 @@ def cmd_train(args: argparse.Namespace) -> int:
     flags = {"source": ("data.source", args.source), "model": ("model.name", args.model),
              "batch": ("data.batch_size", args.batch_size), "epochs": ("data.epochs", args.epochs),
              "limit": ("data.limit_records", args.limit),
+             "stop_after": ("data.limit_records", args.stop_after_records),
+             "idle": ("kafka.stop_when_idle_s", args.stop_when_idle),
              "holdout": ("data.holdout_fraction", args.holdout_fraction),
              "run_dir": ("train.run_dir", args.run_dir),
              "every": ("train.checkpoint_every_batches", args.checkpoint_every),
              "device": ("train.device", args.device), "seed": ("train.seed", args.seed),
-             "threads": ("train.threads", args.threads)}
+             "threads": ("train.threads", args.threads),
+             "metrics_port": ("metrics.port", args.metrics_port),
+             "metrics_addr": ("metrics.addr", args.metrics_addr)}
     for dotted, value in flags.values():
         if value is not None:
             set_option(cfg, dotted, value, origin="command line")
+    store_flags = {"store.cache_bytes": args.cache_bytes, "store.ram_bytes": args.ram_bytes,
+                   "store.disk_bytes": args.disk_bytes, "store.store_dir": args.store_dir}
+    for dotted, value in store_flags.items():
+        if value is not None:
+            set_option(cfg, dotted, value, origin="command line")
+            cfg.store.kind = "tiered"
+    if args.store is not None:
+        set_option(cfg, "store.kind", args.store, origin="command line")
+    if args.merge_every is not None:
+        set_option(cfg, "distributed.merge_every_k_steps", args.merge_every, origin="command line")
     if args.scale is not None:
         cfg = scale_config(cfg, args.scale)
-    s = train(cfg, resume=args.resume, show_progress=not args.quiet)
+    if cfg.data.source.lower().startswith("kafka://"):
+        from stream_ctr.cli_kafka import configure_logging
+        configure_logging(args.quiet)
+    from stream_ctr.distributed import launched_by_torchrun
+    if args.distributed and not launched_by_torchrun():
+        from stream_ctr.dist_train import launch_local
+        return launch_local(args.nproc_per_node, args.argv)
+    if launched_by_torchrun():
+        from stream_ctr.dist_train import train_distributed
+        s = train_distributed(cfg, resume=args.resume, show_progress=not args.quiet)
+        if int(os.environ["RANK"]) != 0:    # rank 0 prints the job's summary
+            return 0
+    else:
+        s = train(cfg, resume=args.resume, show_progress=not args.quiet)
     test = (f"; test AUC {s.test['auc']:.4f} logloss {s.test['logloss']:.4f} "
             f"on {s.test['records']:,} held-out records") if s.test else ""
     emit(args, s.as_dict(),
@@ -181,13 +278,19 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     from connectors.files import SourceError
     from stream_ctr.checkpoint import CheckpointError
+    from stream_ctr.distributed import DistributedError
+    from stream_ctr.store.errors import StoreError
     try:
         return args.func(args)
-    except (ConfigError, SourceError, CheckpointError, FileNotFoundError) as e:
+    except (ConfigError, SourceError, CheckpointError, StoreError, FileNotFoundError) as e:
         print(f"stream-ctr: error: {e}", file=sys.stderr)
         return 2
+    except DistributedError as e:         # another rank died or hung: not the user's input
+        print(f"stream-ctr: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("stream-ctr: interrupted", file=sys.stderr)
         return 130

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from connectors.kafka_options import KafkaOptions
+
 
 class ConfigError(ValueError):
     """A user-supplied option is wrong; the message names it and says what to do."""
@@ -21,11 +23,12 @@ class ConfigError(ValueError):
 @dataclass
 class DataConfig:
     # "criteo:PATH", "avazu:PATH", or a path whose name says the format;
-    # "criteo:sample" / "avazu:sample" are the bundled real samples.
+    # "criteo:sample" / "avazu:sample" are the bundled real samples;
+    # "kafka://HOST:PORT/TOPIC?group=G" a Kafka topic (options in [kafka]).
     source: str = "criteo:sample"
     batch_size: int = 64            # tuned for the bundled ~14K-row samples; streams use 1K-128K
-    # Latency budget of the micro-batcher: a partial batch trains after this
-    # long without new records (streaming sources only).
+    # Latency budget of the micro-batcher: a partial batch trains once its
+    # oldest record has waited this long (streaming sources only).
     max_batch_delay_s: float = 5.0
     holdout_fraction: float = 0.0
     limit_records: int = 0          # 0 = no limit (training records, holdout excluded)
@@ -75,11 +78,57 @@ class TrainConfig:
 
 
 @dataclass
+class StoreConfig:
+    # Where embedding rows live (stream_ctr/store, README "Sizing the embedding
+    # store"): "memory" = one growable table on the device; "tiered" = device
+    # cache + host RAM + LMDB on disk, each bounded by a byte budget (a number,
+    # or a string with a suffix: "512MiB", "2GB", "64G").
+    kind: str = "memory"            # memory | tiered
+    cache_bytes: int = 256 << 20    # device cache (GPU memory, or CPU memory without a GPU)
+    ram_bytes: int = 1 << 30        # host RAM tier
+    disk_bytes: int = 64 << 30      # cap of the LMDB store (rows, undo logs, B-tree slack)
+    store_dir: str = ""             # LMDB directory; default RUN_DIR/store
+    policy: str = "lru"             # demotion order: lru | lfu
+    admission_min_count: int = 1    # a key gets a row once seen in this many batches; 1 = at once
+    ttl_steps: int = 0              # delete rows unseen for more batches than this; 0 = never
+    ttl_seconds: int = 0            # ... or whose event time is older than this; 0 = never
+
+
+@dataclass
+class MetricsConfig:
+    # Prometheus endpoint (/metrics); 0 = off. Under torchrun, rank r with
+    # local rank l serves on port + l, every series labelled rank="r".
+    port: int = 0
+    addr: str = "127.0.0.1"         # bind address; 0.0.0.0 lets other hosts scrape
+    # RUN_DIR/timeseries.jsonl (for `stream-ctr report`): one record per
+    # interval; 0 = off. Raise it (e.g. 60) for runs that last weeks.
+    timeseries_every_s: float = 1.0
+    # Exported as stream_ctr_prequential_auc_baseline; the AUC alert fires
+    # below it. 0 = no baseline.
+    auc_baseline: float = 0.0
+
+
+@dataclass
+class DistributedConfig:
+    # Several replicas under torchrun (stream_ctr/distributed.py, DESIGN.md step 7).
+    merge_every_k_steps: int = 8    # average the dense replicas every k steps (k-step Adam)
+    merge_moments: bool = True      # ... with Adam's exp_avg / exp_avg_sq too
+    hierarchical: bool = False      # merge every step inside a node, every k across nodes
+    timeout_s: float = 300.0        # a collective waiting longer on a lost rank fails the job
+    backend: str = "auto"           # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    # kafka:// sources (connectors/kafka_options.py; the URL's ?group=&format= override)
+    kafka: KafkaOptions = field(default_factory=KafkaOptions)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -124,6 +173,8 @@ def _convert(value: Any, default: Any, dotted: str, origin: str) -> Any:
             if isinstance(value, str):
                 value = [v for v in value.replace(" ", "").split(",") if v]
             return tuple(int(v) for v in value)
+        if isinstance(default, int) and dotted.endswith("_bytes") and isinstance(value, str):
+            return parse_bytes(value)
         if isinstance(default, int):
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)
@@ -154,6 +205,24 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"override '{item}' must look like section.name=value")
         set_option(cfg, key.strip(), value.strip(), origin="--set")
     return cfg
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+               "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
+               "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """A byte count from '123', '64MB', '512MiB', '2G', '1.5GiB' (k/M/G/T = powers of 1000,
+    KiB/MiB/GiB/TiB = powers of 1024)."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().lower().replace("_", "").replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if unit not in _BYTE_UNITS or not num:
+        raise ValueError(f"not a byte size: {text!r} (use e.g. 512MiB, 2GB, 64G)")
+    return int(float(num) * _BYTE_UNITS[unit])
 
 
 MODELS = ("deepfm", "wdl", "dcn", "dcnv2")
@@ -189,10 +258,34 @@ def validate(cfg: Config) -> Config:
         (t.checkpoint_every_batches >= 0, "train.checkpoint_every_batches must be >= 0"),
         (t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}"),
         (t.eval_window_records >= 1, "train.eval_window_records must be >= 1"),
+        (0 <= cfg.metrics.port <= 65535, f"metrics.port must be in [0, 65535], got {cfg.metrics.port}"),
+        (bool(cfg.metrics.addr.strip()), "metrics.addr must be an address to bind, e.g. 127.0.0.1"),
+        (cfg.metrics.timeseries_every_s >= 0,
+         f"metrics.timeseries_every_s must be >= 0, got {cfg.metrics.timeseries_every_s}"),
+        (0 <= cfg.metrics.auc_baseline <= 1,
+         f"metrics.auc_baseline must be in [0, 1], got {cfg.metrics.auc_baseline}"),
+        (cfg.store.kind in ("memory", "tiered"),
+         f"store.kind must be memory or tiered, got {cfg.store.kind!r}"),
+        (cfg.store.policy in ("lru", "lfu"), f"store.policy must be lru or lfu, got {cfg.store.policy!r}"),
+        (cfg.store.cache_bytes > 0, f"store.cache_bytes (--cache-bytes) must be > 0, got {cfg.store.cache_bytes}"),
+        (cfg.store.ram_bytes >= 0, f"store.ram_bytes (--ram-bytes) must be >= 0, got {cfg.store.ram_bytes}"),
+        (cfg.store.disk_bytes > 0, f"store.disk_bytes (--disk-bytes) must be > 0, got {cfg.store.disk_bytes}"),
+        (cfg.store.admission_min_count >= 1,
+         f"store.admission_min_count must be >= 1, got {cfg.store.admission_min_count}"),
+        (cfg.store.ttl_steps >= 0 and cfg.store.ttl_seconds >= 0,
+         "store.ttl_steps and store.ttl_seconds must be >= 0 (0 = no expiry)"),
+        (cfg.distributed.merge_every_k_steps >= 1,
+         f"distributed.merge_every_k_steps must be >= 1, got {cfg.distributed.merge_every_k_steps}"),
+        (cfg.distributed.timeout_s > 0, f"distributed.timeout_s must be > 0, got {cfg.distributed.timeout_s}"),
+        (cfg.distributed.backend in ("auto", "gloo", "nccl"),
+         f"distributed.backend must be auto, gloo or nccl, got {cfg.distributed.backend!r}"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    kafka_problem = cfg.kafka.problem(prefix="kafka.")
+    if kafka_problem:
+        raise ConfigError(kafka_problem)
     return cfg
 
 

@@ -96,6 +96,16 @@ class EmbeddingStore(ABC):
     def __len__(self) -> int:
         """Number of rows held."""
 
+    def observe_event_time(self, event_time_ms: int) -> None:
+        """The newest event time of the batch about to be prepared (-1: none); for TTL by time."""
+
+    def close(self) -> None:
+        """Release files and threads (a tiered store's LMDB); the store is unusable after."""
+
+    def prefetch(self, keys: torch.Tensor) -> None:
+        """Hint: `keys` (unique) are the next batch's working set; a store with slow tiers
+        may start fetching them while the current step runs. No effect on any result."""
+
 
 class InMemoryEmbeddingStore(EmbeddingStore):
     """All rows in one growable tensor on one device; slot == row id."""
@@ -155,6 +165,10 @@ class InMemoryEmbeddingStore(EmbeddingStore):
                 "exp_avg": self.exp_avg[:n].cpu(), "exp_avg_sq": self.exp_avg_sq[:n].cpu()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state.get("kind") == "tiered":
+            from stream_ctr.config import ConfigError
+            raise ConfigError("this checkpoint's embedding rows live in a tiered store "
+                              f"({state.get('store_dir')}): resume it with store.kind = tiered")
         keys = state["keys"]
         if state["weight"].shape != (keys.numel(), self.dim + 1):
             raise ValueError(f"embedding state has shape {tuple(state['weight'].shape)}, "

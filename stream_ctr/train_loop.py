@@ -4,8 +4,10 @@
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -20,7 +22,11 @@ from stream_ctr.batcher import MicroBatcher
 from stream_ctr.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
 from stream_ctr.config import Config, ConfigError, validate
 from stream_ctr.evaluation import Accuracy, PrequentialWindow, accuracy
+from stream_ctr.monitor import RunMonitor
 from stream_ctr.progress import Progress
+from stream_ctr.streaming import (StreamBatcher, open_dead_letter, open_kafka_source, source_format,
+                                  stream_batches, stream_url)
+from stream_ctr.store import resume_store_config
 from stream_ctr.trainer import Trainer
 
 
@@ -42,6 +48,7 @@ class RunSummary:
     test: dict[str, float] = field(default_factory=dict)
     checkpoint: str = ""
     dead_letter_path: str = ""
+    source_stats: dict = field(default_factory=dict)   # Kafka: messages, outages, lag, ...
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k not in ("window", "test")}
@@ -61,13 +68,16 @@ def configure_torch(cfg: Config) -> None:
 
 
 def micro_batches(source: FileSource, batch_size: int, dead_letter: DeadLetterFile,
-                  limit_records: int = -1) -> Iterator[Batch]:
+                  limit_records: int = -1, monitor: RunMonitor | None = None) -> Iterator[Batch]:
     """Full batches from `source` (the last one may be partial); at most
-    `limit_records` rows when it is >= 0."""
+    `limit_records` rows when it is >= 0. Each chunk read is reported to `monitor`."""
     batcher = MicroBatcher(batch_size)
     emitted = 0
     while not source.exhausted:
+        t0 = time.perf_counter()
         chunk, rejected = source.read()
+        if monitor is not None:
+            monitor.on_read(chunk, rejected, time.perf_counter() - t0)
         dead_letter.write(rejected)
         for batch in batcher.add(chunk):
             if 0 <= limit_records <= emitted + len(batch):
@@ -78,6 +88,20 @@ def micro_batches(source: FileSource, batch_size: int, dead_letter: DeadLetterFi
     rest = batcher.flush()
     if rest is not None:
         yield rest.slice(0, limit_records - emitted) if limit_records >= 0 else rest
+
+
+def with_next(batches: Iterator[Batch], lookahead: bool) -> Iterator[tuple[Batch, Batch | None]]:
+    """(batch, the one after it or None); reads one batch ahead only when `lookahead`."""
+    if not lookahead:
+        for batch in batches:
+            yield batch, None
+        return
+    current = next(batches, None)
+    for upcoming in batches:
+        yield current, upcoming
+        current = upcoming
+    if current is not None:
+        yield current, None
 
 
 class StopSignal:
@@ -111,13 +135,19 @@ class Run:
         if state is not None:   # the model and optimizer settings are the checkpoint's
             saved = Config.from_dict(state.config, origin=f"{resume} (checkpoint config)")
             cfg.model, cfg.optim = saved.model, saved.optim
+            cfg.store = resume_store_config(cfg.store, saved.store)   # where its rows live
         validate(cfg)
         configure_torch(cfg)
         self.cfg = cfg
-        self.fmt, self.path = detect_format(cfg.data.source)
-        # Hold out the last fraction of the file, by data-line offset.
-        self.n_total = count_records(self.path, self.fmt)
-        self.train_end = self.n_total - int(round(self.n_total * cfg.data.holdout_fraction))
+        self.stream = stream_url(cfg)         # a kafka:// source, else None (a file)
+        self.stream_ended = False
+        if self.stream is not None:           # one long epoch: nothing to count or hold out
+            self.fmt, self.path, self.n_total, self.train_end = source_format(cfg), None, 0, 0
+        else:
+            self.fmt, self.path = detect_format(cfg.data.source)
+            # Hold out the last fraction of the file, by data-line offset.
+            self.n_total = count_records(self.path, self.fmt)
+            self.train_end = self.n_total - int(round(self.n_total * cfg.data.holdout_fraction))
         self.trainer = Trainer(cfg, self.fmt.n_keys, self.fmt.n_dense)
         self.window = PrequentialWindow(cfg.train.eval_window_records)
         self.positions: dict[str, int] = {}
@@ -130,24 +160,50 @@ class Run:
             self.total_before = state.records_trained
         run_dir = Path(cfg.train.run_dir)
         self.ckpt_dir = Path(cfg.train.checkpoint_dir or run_dir / "checkpoints")
-        self.dead_letter = DeadLetterFile(cfg.data.dead_letter_path or run_dir / "dead_letter.jsonl")
+        self.dead_letter = open_dead_letter(cfg, self.stream)     # a file, or the dead-letter topic
+        # A stream's batcher lives in the run: a rebalance drops its rows of revoked partitions.
+        self.batcher = StreamBatcher(cfg.data.batch_size) if self.stream is not None else None
         self.summary = RunSummary(dead_letter_path=str(self.dead_letter.path))
         self.remaining = cfg.data.limit_records or -1      # -1: no limit
         self.rows_touched = self.rows_clipped = self.rows_at_floor = 0
+        self.source: FileSource | None = None
+        # Prometheus metrics (served if metrics.port) and RUN_DIR/timeseries.jsonl.
+        self.monitor = RunMonitor(cfg, run_dir, self.total_before)
+        self.monitor.watch(self.trainer.store, self.window, lag=self.source_lag,
+                           source=lambda: self.source)
+
+    def source_lag(self) -> dict[str, int]:
+        """Consumer lag of the file source: records of the training range not yet trained."""
+        src = self.source
+        if src is None:
+            return {}
+        if self.stream is not None:          # Kafka: counted per partition by the source
+            return src.lag()
+        if self.epoch >= self.cfg.data.epochs:        # every epoch trained: nothing left
+            return {src.partition: 0}
+        return {src.partition: max(self.train_end - self.positions.get(src.partition, 0), 0)}
 
     @property
     def limit_reached(self) -> bool:
         return self.remaining == 0
 
-    def open_source(self) -> FileSource:
+    def open_source(self):
+        if self.stream is not None:          # opened once, closed by close(): one long epoch
+            if self.source is None:
+                self.source = open_kafka_source(self, self.stream)
+            return contextlib.nullcontext(self.source)
         start = self.positions.get(f"file:{self.path.name}", 0)
-        return FileSource(self.path, self.fmt, start_offset=start,
-                          chunk_records=self.cfg.data.chunk_records, stop_offset=self.train_end)
+        self.source = FileSource(self.path, self.fmt, start_offset=start,
+                                 chunk_records=self.cfg.data.chunk_records, stop_offset=self.train_end)
+        return self.source
 
     def record(self, batch: Batch, result) -> None:
         """Prequential scores into the window; the batch's end becomes the resume point."""
         self.window.add(result.probs.cpu().numpy(), batch.labels)
-        self.positions.update(batch.positions_after())
+        if self.stream is not None:          # packed messages may straddle batches: the source folds
+            self.positions = self.source.trained(batch)
+        else:
+            self.positions.update(batch.positions_after())
         self.summary.records_trained += len(batch)
         self.summary.batches += 1
         self.summary.skipped_batches += int(result.skipped)
@@ -160,10 +216,31 @@ class Run:
     def end_epoch(self, source: FileSource) -> None:
         # The epoch is over only when every record of it was trained, not
         # merely read: a limit may have stopped the loop with rows pending.
-        if source.exhausted and not self.limit_reached:
+        if self.stream is not None:          # a stream ends (idle), it never starts over
+            self.stream_ended = source.exhausted
+        elif source.exhausted and not self.limit_reached:
             self.epoch, self.positions = self.epoch + 1, {}
 
-    def checkpoint(self) -> None:
+    @property
+    def wants_more(self) -> bool:
+        if self.stream is not None:
+            return not self.limit_reached and not self.stream_ended
+        return self.epoch < self.cfg.data.epochs and not self.limit_reached
+
+    def batches(self, source, stop: "StopSignal") -> Iterator[Batch]:
+        if self.stream is not None:
+            return stream_batches(source, self.batcher, self.dead_letter, self.remaining,
+                                  self.cfg.data.max_batch_delay_s, stop, self.monitor)
+        return micro_batches(source, self.cfg.data.batch_size, self.dead_letter, self.remaining,
+                             self.monitor)
+
+    def owned(self, batch: Batch) -> Batch:
+        """`batch` without rows of partitions a rebalance took away after it was read."""
+        return self.source.owned_rows(batch) if self.stream is not None else batch
+
+    def checkpoint(self, commit: bool = True) -> None:
+        """Write a durable checkpoint; then (Kafka) commit its positions as the group's offsets."""
+        t0 = time.perf_counter()
         tensors = {"trainer": self.trainer.state_tensors(),
                    "window": {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v)
                               for k, v in self.window.state_dict().items()}}
@@ -171,6 +248,17 @@ class Run:
                                 self.positions, self.cfg.to_dict(), tensors,
                                 {"epoch": self.epoch, "source": self.cfg.data.source})
         self.summary.checkpoint = str(save_checkpoint(self.ckpt_dir, state, self.cfg.train.keep_checkpoints))
+        self.monitor.on_checkpoint(time.perf_counter() - t0, self.summary.checkpoint)
+        if commit and self.stream is not None:
+            self.source.commit(self.positions)
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.stream is not None and self.source is not None:
+            self.summary.source_stats = self.source.stats.as_dict()
+            self.source.close()            # leaves the group; commits happen after checkpoints only
 
     def finish(self, seconds: float) -> RunSummary:
         s = self.summary
@@ -186,6 +274,8 @@ class Run:
         if self.train_end < self.n_total:
             s.test = evaluate(self.trainer, self.path, self.fmt, self.train_end, None,
                               self.cfg.data.chunk_records).as_dict()
+        self.monitor.close(s.as_dict())
+        self.trainer.store.close()          # a tiered store waits for its I/O and closes LMDB
         return s
 
 
@@ -194,19 +284,28 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
 
     Ends at the end of the data (all epochs), at `data.limit_records`, or on
     SIGTERM / Ctrl-C after finishing the current batch; always checkpoints.
+    A Kafka source (data.source kafka://...) is one long epoch: it ends on a
+    signal, at the limit, or after `kafka.stop_when_idle_s` without records,
+    and commits the group's offsets after every checkpoint.
     """
     run = Run(cfg, resume)
     progress = Progress("train", cfg.train.log_every_s, enabled=show_progress)
     every = cfg.train.checkpoint_every_batches
-    with StopSignal() as stop:
-        while run.epoch < cfg.data.epochs and not run.limit_reached and not stop.requested:
+    with StopSignal() as stop, run:
+        while run.wants_more and not stop.requested:
             with run.open_source() as source:
-                for batch in micro_batches(source, cfg.data.batch_size, run.dead_letter, run.remaining):
+                batches = run.batches(source, stop)
+                # A tiered store prefetches the next batch's rows while this one trains.
+                for batch, upcoming in with_next(batches, cfg.store.kind == "tiered"):
+                    batch = run.owned(batch)    # a rebalance during the look-ahead read?
+                    if not len(batch):
+                        continue
                     # Step: its forward pass scores the batch before the update (prequential).
-                    result = run.trainer.train_step(batch)
+                    result = run.trainer.train_step(batch, upcoming)
                     # Evaluate and advance the resume point past this batch.
                     run.record(batch, result)
                     acc = run.window.window()
+                    run.monitor.on_batch(batch, result, acc)
                     progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss)
                     if every and run.summary.batches % every == 0:
                         run.checkpoint()
@@ -239,15 +338,18 @@ def evaluate(trainer: Trainer, path: Path, fmt, start_offset: int, stop_offset: 
 def evaluate_checkpoint(checkpoint: str, source: str, start: int = 0,
                         stop: int | None = None) -> dict:
     """`stream-ctr eval`: score a file with a checkpoint's model, no training."""
-    state = load_checkpoint(checkpoint)
+    from stream_ctr import job_checkpoint   # a distributed job: its shards as one table
+    state = (job_checkpoint.load_job_as_one(checkpoint) if job_checkpoint.is_job(checkpoint)
+             else load_checkpoint(checkpoint))
     cfg = Config.from_dict(state.config, origin=f"{checkpoint} (checkpoint config)")
     fmt, path = detect_format(source)
-    saved_fmt, _ = detect_format(cfg.data.source)
+    saved_fmt = source_format(cfg)
     if saved_fmt.name != fmt.name:
         raise ConfigError(f"checkpoint was trained on {saved_fmt.name} records, "
                           f"{source} is {fmt.name}: their features do not match")
     configure_torch(cfg)
-    trainer = Trainer(cfg, fmt.n_keys, fmt.n_dense)
+    trainer = Trainer(cfg, fmt.n_keys, fmt.n_dense, read_only=True)   # never moves a row
     trainer.load_state_tensors(state.tensors["trainer"])
     acc = evaluate(trainer, path, fmt, start, stop, cfg.data.chunk_records)
+    trainer.store.close()
     return {**acc.as_dict(), "checkpoint": str(checkpoint), "step": state.step}

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from connectors.batch import Batch
 from ops.embedding_gather import gather_rows
 from stream_ctr.config import Config
-from stream_ctr.embedding import EmbeddingStore, InMemoryEmbeddingStore
+from stream_ctr.embedding import EmbeddingStore
+from stream_ctr.store import build_store
 from stream_ctr.models import build_model
 
 
@@ -46,13 +47,16 @@ class StepResult:
 
 class Trainer:
     def __init__(self, cfg: Config, n_fields: int, n_dense: int,
-                 store: EmbeddingStore | None = None) -> None:
+                 store: EmbeddingStore | None = None, read_only: bool = False) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
         self.n_fields, self.n_dense = n_fields, n_dense
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model, n_fields, n_dense).to(self.device)
-        self.store = store or InMemoryEmbeddingStore(cfg.model, cfg.train.seed, self.device)
+        # The configured store ([store] kind: memory, or tiered cache/RAM/LMDB);
+        # read_only for evaluation, which must not move or roll back any row.
+        self.store = store or build_store(cfg, n_fields, self.device, read_only=read_only)
+        self._next: tuple[Batch, tuple[torch.Tensor, ...]] | None = None
         o = cfg.optim
         self.dense_opt = torch.optim.Adam(self.model.parameters(), lr=o.lr_dense,
                                           betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
@@ -81,16 +85,29 @@ class Trainer:
         lin = rows[:, d][inverse].view(b, self.n_fields)
         return self.model(emb, lin, dense)
 
-    def train_step(self, batch: Batch) -> StepResult:
+    def _working_set(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        """Unique signs, each key's index into them, and in-batch counts (CowClip's cnt)."""
+        if self._next is not None and self._next[0] is batch:
+            return self._next[1]
+        keys = torch.from_numpy(batch.keys).to(self.device, non_blocking=True).view(-1)
+        return torch.unique(keys, return_inverse=True, return_counts=True)
+
+    def train_step(self, batch: Batch, upcoming: Batch | None = None) -> StepResult:
+        """One step on `batch`; `upcoming` (the next batch, if known) is prefetched meanwhile."""
         t0 = time.perf_counter()
         b = len(batch)
         dense, labels = self._inputs(batch)
-        keys = torch.from_numpy(batch.keys).to(self.device, non_blocking=True).view(-1)
 
-        # Working set: unique signs with their in-batch counts (CowClip's cnt);
-        # the store makes every one resident before the step starts.
-        uniq, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+        # Working set: the store makes every unique sign resident before the step
+        # starts, and may fetch the next batch's while this one trains.
+        uniq, inverse, counts = self._working_set(batch)
+        if len(batch):
+            self.store.observe_event_time(int(batch.event_time_ms.max()))
         slots = self.store.prepare(uniq)
+        self._next = None
+        if upcoming is not None and len(upcoming):
+            self._next = (upcoming, self._working_set(upcoming))
+            self.store.prefetch(self._next[1][0])
         rows = self.store.weight[slots].requires_grad_()
         t1 = time.perf_counter()
 

@@ -3,6 +3,8 @@ import os
 
 import torch
 
+pytest_plugins = ["tests.kafka_broker", "tests.prometheus_server"]
+
 # Triton's interpreter must be chosen before triton is first imported anywhere
 # in the process; on a CUDA machine the kernels run compiled instead.
 if not torch.cuda.is_available():

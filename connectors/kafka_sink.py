@@ -1,0 +1,139 @@
+"""Producing to Kafka: a producer factory, topic creation, and the dead-letter topic.
+
+A dead-letter message is one rejected record::
+
+    key     b"topic/partition"                     (its source partition)
+    value   {"topic": "clicks", "partition": 2, "offset": 41,
+             "reason": "bad_integer", "raw": "0\\t1\\tx\\t..."}
+    headers reason, source_partition, source_offset
+
+`offset` is the Kafka offset of the message the record was in (the lines of
+a packed message share it).  `write()` returns only once the broker has
+acknowledged every record (retrying through outages), so a record is never
+checkpointed past without being on the dead-letter topic.  It is at-least-once:
+records re-read after a crash are dead-lettered again.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+
+from connectors.batch import Rejected
+from connectors.files import SourceError
+from connectors.kafka_options import KafkaUrl, client_config, split_partition_name
+
+log = logging.getLogger("connectors.kafka")
+
+
+def make_producer(url: KafkaUrl, **settings):
+    """A KafkaProducer for `url`'s brokers; `settings` are kafka-python producer options."""
+    from kafka import KafkaProducer
+    from kafka.errors import KafkaError
+    from connectors.kafka_client import unreachable_message
+    defaults = {"acks": "all", "linger_ms": 20, "batch_size": 1 << 20,
+                "max_request_size": 16 << 20}
+    try:
+        return KafkaProducer(**client_config(url), **{**defaults, **settings})
+    except KafkaError as e:
+        raise SourceError(unreachable_message(url, e)) from None
+
+
+def topic_partitions(url: KafkaUrl, topic: str) -> int:
+    """Number of partitions of `topic`; 0 if it does not exist."""
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+    from connectors.kafka_client import unreachable_message
+    try:
+        admin = KafkaAdminClient(**client_config(url))
+    except KafkaError as e:
+        raise SourceError(unreachable_message(url, e)) from None
+    try:
+        described = admin.describe_topics([topic])
+    finally:
+        admin.close()
+    for entry in described:
+        if entry.get("name") == topic and not entry.get("error_code"):
+            return len(entry.get("partitions") or [])
+    return 0
+
+
+def create_topic(url: KafkaUrl, topic: str, partitions: int) -> bool:
+    """Create `topic` with `partitions` partitions (the broker's default replication).
+
+    Returns False if it already existed.  SourceError if it cannot be created.
+    """
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+    from kafka.errors import KafkaError, TopicAlreadyExistsError
+    from connectors.kafka_client import unreachable_message
+    try:
+        admin = KafkaAdminClient(**client_config(url))
+    except KafkaError as e:
+        raise SourceError(unreachable_message(url, e)) from None
+    try:
+        admin.create_topics([NewTopic(topic, partitions, -1)])
+        return True
+    except TopicAlreadyExistsError:
+        return False
+    except KafkaError as e:
+        raise SourceError(f"cannot create topic {topic!r} on {','.join(url.bootstrap)}: {e}") from None
+    finally:
+        admin.close()
+
+
+class KafkaDeadLetter:
+    """Rejected records produced to a dead-letter topic; same interface as DeadLetterFile."""
+
+    def __init__(self, url: KafkaUrl, topic: str) -> None:
+        self.topic = topic
+        self.path = f"kafka://{','.join(url.bootstrap)}/{topic}"
+        self._retry_max_s = url.options.reconnect_backoff_max_s
+        if not topic_partitions(url, topic) and create_topic(url, topic, 1):
+            log.info("kafka: created dead-letter topic %s", topic)
+        self._producer = make_producer(url, acks="all", linger_ms=0)
+        self.counts: Counter[str] = Counter()
+
+    def write(self, rejected: list[Rejected]) -> None:
+        """Produce the records; blocks until the broker acknowledged all of them."""
+        if not rejected:
+            return
+        if self._producer is None:
+            raise ValueError(f"dead-letter topic {self.topic} is closed")
+        pending = list(rejected)
+        delay = 0.5
+        while pending:
+            sends = [(r, self._send(r)) for r in pending]
+            self._producer.flush()
+            pending = [r for r, future in sends if future.failed()]
+            if pending:
+                log.warning("kafka: %d dead-letter records not acknowledged (%s); retrying in %.1f s",
+                            len(pending), sends[0][1].exception, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, self._retry_max_s)
+        self.counts.update(r.reason for r in rejected)
+
+    def _send(self, r: Rejected):
+        topic, partition = split_partition_name(r.partition)
+        value = {"topic": topic, "partition": partition, "offset": r.offset, "reason": r.reason,
+                 "raw": r.raw.decode("utf-8", errors="replace")}
+        return self._producer.send(
+            self.topic, key=r.partition.encode(), value=json.dumps(value, ensure_ascii=False).encode(),
+            headers=[("reason", r.reason.encode()), ("source_partition", r.partition.encode()),
+                     ("source_offset", str(r.offset).encode())])
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close(timeout=30)
+            self._producer = None
+
+    def __enter__(self) -> "KafkaDeadLetter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

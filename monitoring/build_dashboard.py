@@ -1,0 +1,220 @@
+"""Generates grafana/dashboards/stream_ctr.json: the dashboard as code.
+
+    python monitoring/build_dashboard.py          # rewrite the JSON
+    python monitoring/build_dashboard.py --check  # exit 1 if the JSON is stale
+
+Edit the panels here, not in the JSON; a test keeps the two equal, checks that
+every metric name is one stream_ctr/metrics.py exports, and evaluates every
+expression against a real Prometheus scraping a real trainer.
+
+Grafana variables used in expressions: ``$job``, ``$rank`` (multi-value, All =
+``.*``) and ``$__rate_interval``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "grafana" / "dashboards" / "stream_ctr.json"
+S = '{job=~"$job", rank=~"$rank"}'          # the selector every panel uses
+RI = "[$__rate_interval]"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+NONFINITE = '{job=~"$job", rank=~"$rank", reason="nonfinite"}'
+
+
+def target(expr: str, legend: str, ref: str) -> dict:
+    return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, "range": True}
+
+
+def panel(kind: str, title: str, targets: list[tuple[str, str]], unit: str = "short",
+          w: int = 8, h: int = 8, description: str = "", stack: bool = False,
+          minmax: tuple[float | None, float | None] = (None, None)) -> dict:
+    defaults: dict = {"unit": unit}
+    if minmax[0] is not None:
+        defaults["min"] = minmax[0]
+    if minmax[1] is not None:
+        defaults["max"] = minmax[1]
+    if kind == "timeseries":
+        defaults["custom"] = {"lineWidth": 1, "fillOpacity": 20 if stack else 0,
+                              "stacking": {"mode": "normal" if stack else "none", "group": "A"}}
+    p = {"type": kind, "title": title, "description": description, "datasource": DS,
+         "gridPos": {"w": w, "h": h},
+         "targets": [target(e, legend, chr(ord("A") + i)) for i, (e, legend) in enumerate(targets)],
+         "fieldConfig": {"defaults": defaults, "overrides": []}}
+    if kind == "stat":
+        p["options"] = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                        "colorMode": "value", "graphMode": "area", "textMode": "auto"}
+    else:
+        p["options"] = {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                        "tooltip": {"mode": "multi", "sort": "none"}}
+    return p
+
+
+def rows() -> list[tuple[str, list[dict]]]:
+    return [
+        ("Throughput", [
+            panel("timeseries", "Records / s", [
+                (f"sum by (rank) (rate(stream_ctr_records_trained_total{S}{RI}))", "trained rank {{rank}}"),
+                (f"sum by (rank) (rate(stream_ctr_records_consumed_total{S}{RI}))", "consumed rank {{rank}}")],
+                "short", description="Records trained and read from the source per second."),
+            panel("stat", "Samples / s (trainer)", [
+                (f"sum(stream_ctr_samples_per_second{S})", "samples/s")], "short", w=4),
+            panel("stat", "Records trained", [
+                (f"sum(stream_ctr_records_trained_total{S})", "records")], "short", w=4),
+            panel("timeseries", "Step time by phase (seconds per second)", [
+                (f"sum by (phase) (rate(stream_ctr_step_phase_seconds_sum{S}{RI}))", "{{phase}}")],
+                "s", stack=True, description="Where the wall time goes: decode, prepare (working set), "
+                "forward_backward, update, merge, checkpoint."),
+            panel("timeseries", "Phase latency p90", [
+                (f"histogram_quantile(0.9, sum by (phase, le) "
+                 f"(rate(stream_ctr_step_phase_seconds_bucket{S}{RI})))", "{{phase}}")], "s", w=12),
+            panel("timeseries", "Batches / s", [
+                (f"sum by (rank) (rate(stream_ctr_batches_trained_total{S}{RI}))", "rank {{rank}}")],
+                "short", w=12),
+        ]),
+        ("Quality (prequential: scored before training)", [
+            panel("timeseries", "AUC (sliding window)", [
+                (f"stream_ctr_prequential_auc{S}", "AUC rank {{rank}}"),
+                (f"stream_ctr_prequential_auc_baseline{S}", "baseline rank {{rank}}")], "none"),
+            panel("timeseries", "Logloss", [
+                (f"stream_ctr_prequential_logloss{S}", "window rank {{rank}}"),
+                (f"sum by (rank) (rate(stream_ctr_prequential_logloss_sum_total{S}[5m])) / "
+                 f"sum by (rank) (rate(stream_ctr_prequential_records_total{S}[5m]))", "5m rank {{rank}}")],
+                "none"),
+            panel("timeseries", "Calibration (predicted / observed CTR)", [
+                (f"stream_ctr_prequential_calibration{S}", "window rank {{rank}}"),
+                (f"sum by (rank) (rate(stream_ctr_prequential_predicted_clicks_total{S}[5m])) / "
+                 f"sum by (rank) (rate(stream_ctr_prequential_clicks_total{S}[5m]))", "5m rank {{rank}}")],
+                "none"),
+            panel("stat", "Records in the AUC window", [
+                (f"sum(stream_ctr_prequential_window_records{S})", "records")], "short", w=24, h=4),
+        ]),
+        ("Freshness and lag", [
+            panel("timeseries", "Consumer lag per partition (records)", [
+                (f"sum by (partition) (stream_ctr_consumer_lag_records{S})", "{{partition}}")], "short",
+                w=12, description="Records in each partition after the last trained one."),
+            panel("timeseries", "Event-time freshness", [
+                (f"stream_ctr_event_freshness_seconds{S}", "rank {{rank}}")], "s", w=8,
+                description="Now minus the event time of the newest trained record."),
+            panel("stat", "Newest trained event time", [
+                (f"max(stream_ctr_last_trained_event_timestamp_seconds{S}) * 1000", "event time")],
+                "dateTimeAsIso", w=4, description="Where in the stream the model is (useful in replays)."),
+        ]),
+        ("Embedding tiers", [
+            panel("timeseries", "Rows per tier", [
+                (f"sum by (tier) (stream_ctr_embedding_rows{S})", "{{tier}}")], "short", w=6),
+            panel("timeseries", "Bytes per tier and budget", [
+                (f"sum by (tier) (stream_ctr_embedding_bytes{S})", "{{tier}}"),
+                (f"sum by (tier) (stream_ctr_embedding_capacity_bytes{S})", "{{tier}} budget")],
+                "bytes", w=6),
+            panel("timeseries", "Hit ratio per tier", [
+                (f"sum by (tier) (rate(stream_ctr_embedding_hits_total{S}{RI})) / "
+                 f"sum by (tier) (rate(stream_ctr_embedding_lookups_total{S}{RI}))", "{{tier}}")],
+                "percentunit", w=6, minmax=(0, 1)),
+            panel("timeseries", "Evictions, rejected admissions, expiry, clipping / s", [
+                (f"sum by (tier) (rate(stream_ctr_embedding_evictions_total{S}{RI}))", "evicted {{tier}}"),
+                (f"sum(rate(stream_ctr_embedding_admissions_rejected_total{S}{RI}))", "admission rejected"),
+                (f"sum(rate(stream_ctr_embedding_expired_total{S}{RI}))", "expired (TTL)"),
+                (f"sum(rate(stream_ctr_embedding_rows_clipped_total{S}{RI}))", "CowClip clipped")],
+                "short", w=6),
+        ]),
+        ("Merges and checkpoints", [
+            panel("stat", "Last checkpoint age", [
+                (f"max(stream_ctr_last_checkpoint_age_seconds{S})", "age")], "s", w=6),
+            panel("timeseries", "Checkpoints: size and count per hour", [
+                (f"stream_ctr_last_checkpoint_bytes{S}", "bytes rank {{rank}}"),
+                (f"sum by (rank) (increase(stream_ctr_checkpoints_total{S}[1h]))", "per hour rank {{rank}}")],
+                "short", w=6),
+            panel("timeseries", "k-step merges / s and age", [
+                (f"sum by (rank) (rate(stream_ctr_merges_total{S}{RI}))", "merges/s rank {{rank}}"),
+                (f"stream_ctr_last_merge_age_seconds{S}", "age s rank {{rank}}")], "short", w=6),
+            panel("timeseries", "Merge traffic", [
+                (f"sum by (rank) (rate(stream_ctr_merge_bytes_total{S}{RI}))", "bytes/s rank {{rank}}"),
+                (f"stream_ctr_last_merge_bytes{S}", "last merge rank {{rank}}")], "Bps", w=6),
+        ]),
+        ("Errors and process", [
+            panel("timeseries", "Rejected records and source errors / s", [
+                (f"sum by (reason) (rate(stream_ctr_records_rejected_total{S}{RI}))", "rejected {{reason}}"),
+                (f"sum by (reason) (rate(stream_ctr_source_errors_total{S}{RI}))", "source {{reason}}"),
+                (f"sum(rate(stream_ctr_source_rebalances_total{S}{RI}))", "group rebalances")],
+                "short", w=6),
+            panel("timeseries", "Skipped batches (NaN/inf loss), last hour", [
+                (f"sum by (rank) (increase(stream_ctr_batches_skipped_total{NONFINITE}[1h]))",
+                 "rank {{rank}}")], "short", w=6),
+            panel("timeseries", "Memory", [
+                (f"stream_ctr_process_resident_memory_bytes{S}", "RSS rank {{rank}}"),
+                (f"stream_ctr_process_peak_resident_memory_bytes{S}", "peak RSS rank {{rank}}"),
+                (f"stream_ctr_gpu_memory_allocated_bytes{S}", "GPU rank {{rank}}")], "bytes", w=6),
+            panel("stat", "Targets up", [('sum(up{job=~"$job"})', "up")], "short", w=3),
+            panel("stat", "Uptime", [(f"max(time() - stream_ctr_start_time_seconds{S})", "uptime")],
+                  "s", w=3),
+            panel("timeseries", "Up: scrape, broker connection, backpressure", [
+                ('up{job=~"$job"}', "scraped {{instance}}"),
+                (f"stream_ctr_source_connected{S}", "broker connected rank {{rank}}"),
+                (f"stream_ctr_source_paused{S}", "fetch paused rank {{rank}}")], "short", w=12, h=6,
+                minmax=(0, 1)),
+            panel("timeseries", "CPU (cores busy)", [
+                (f"sum by (rank) (rate(stream_ctr_process_cpu_seconds_total{S}{RI}))", "rank {{rank}}")],
+                "short", w=12, h=6),
+        ]),
+    ]
+
+
+def variable(name: str, query: str, label: str) -> dict:
+    return {"name": name, "label": label, "type": "query", "datasource": DS,
+            "query": {"query": query, "refId": f"{name}-var"}, "definition": query, "refresh": 2,
+            "includeAll": True, "multi": True, "allValue": ".*", "sort": 1,
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]}}
+
+
+def build() -> dict:
+    panels, y, pid = [], 0, 1
+    for title, members in rows():
+        panels.append({"type": "row", "title": title, "collapsed": False, "id": pid,
+                       "gridPos": {"x": 0, "y": y, "w": 24, "h": 1}, "panels": []})
+        pid, y, x, row_h = pid + 1, y + 1, 0, 0
+        for p in members:
+            w, h = p["gridPos"]["w"], p["gridPos"]["h"]
+            if x + w > 24:
+                x, y, row_h = 0, y + row_h, 0
+            p["gridPos"] = {"x": x, "y": y, "w": w, "h": h}
+            p["id"] = pid
+            panels.append(p)
+            pid, x, row_h = pid + 1, x + w, max(row_h, h)
+        y += row_h
+    return {
+        "uid": "stream-ctr", "title": "stream_ctr trainer", "tags": ["stream_ctr"],
+        "description": "Streaming CTR trainer: throughput, prequential quality, lag, embedding tiers, "
+                       "merges/checkpoints, errors. Metrics from stream_ctr/metrics.py.",
+        "editable": True, "graphTooltip": 1, "schemaVersion": 39, "version": 1,
+        "refresh": "30s", "time": {"from": "now-6h", "to": "now"}, "timezone": "",
+        "templating": {"list": [
+            {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
+             "current": {}, "hide": 0, "refresh": 1},
+            variable("job", "label_values(stream_ctr_records_trained_total, job)", "Job"),
+            variable("rank", 'label_values(stream_ctr_records_trained_total{job=~"$job"}, rank)', "Rank"),
+        ]},
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(build(), indent=1) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    text = render()
+    if "--check" in argv:
+        stale = not OUT.exists() or OUT.read_text() != text
+        print(f"{OUT} is {'stale: run python monitoring/build_dashboard.py' if stale else 'up to date'}")
+        return int(stale)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,128 @@
+"""`stream-ctr bench ingest`: how fast records come out of Kafka, raw and decoded.
+
+For each message layout (one record per message, and `packed` lines per
+message) the same synthetic Criteo records are produced into a fresh
+1-partition topic and read back by
+  (a) a bare kafka-python consumer loop (assign, poll, touch every value), and
+  (b) `KafkaSource.read()`, i.e. the same fetches plus joining the values and
+      decoding them into a `Batch` (labels, dense, 39 hashed keys).
+Clocks start at the first record, so neither includes the group join.  The
+broker runs on the same machine (it competes for the cores).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def _raw_loop(bootstrap: str, topic: str, n_messages: int) -> tuple[float, int, int]:
+    """(seconds from the first record, messages, value bytes) of a bare consumer loop."""
+    from kafka import KafkaConsumer, TopicPartition
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
+                             max_poll_records=20000, fetch_max_bytes=64 << 20,
+                             max_partition_fetch_bytes=16 << 20)
+    tp = TopicPartition(topic, 0)
+    consumer.assign([tp])
+    consumer.seek(tp, 0)
+    seen = n_bytes = 0
+    t0 = None
+    while seen < n_messages:
+        for records in consumer.poll(timeout_ms=1000).values():
+            if t0 is None:
+                t0 = time.perf_counter()
+            seen += len(records)
+            n_bytes += sum(len(r.value) for r in records)
+    seconds = time.perf_counter() - t0
+    consumer.close()
+    return seconds, seen, n_bytes
+
+
+def _source_loop(bootstrap: str, topic: str, n_records: int) -> tuple[float, int, int]:
+    """(seconds from the first record, rows decoded, value bytes) through KafkaSource."""
+    from connectors.kafka import KafkaSource
+    from connectors.kafka_options import KafkaOptions, parse_kafka_url
+    options = KafkaOptions(group=f"bench-{uuid.uuid4().hex[:8]}", session_timeout_ms=6000,
+                           heartbeat_interval_ms=1000, dead_letter_topic="")
+    source = KafkaSource(parse_kafka_url(f"kafka://{bootstrap}/{topic}", options))
+    rows = 0
+    t0 = None
+    while rows < n_records:
+        batch, _ = source.read()
+        if len(batch) and t0 is None:
+            t0 = time.perf_counter()
+        rows += len(batch)
+    seconds = time.perf_counter() - t0
+    n_bytes = source.stats.bytes
+    source.close()
+    return seconds, rows, n_bytes
+
+
+def bench_ingest(records: int, packed: int, bootstrap: str | None, repeat: int = 2,
+                 show_progress: bool = True) -> dict:
+    from connectors.kafka_options import parse_kafka_url
+    from connectors.kafka_sink import create_topic
+    from connectors.local_broker import LocalBroker
+    from connectors.replay import replay_file
+    from connectors.synth import write_synthetic_criteo
+    broker = None if bootstrap else LocalBroker().start()
+    bootstrap = bootstrap or broker.bootstrap
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="stream_ctr_ingest_") as tmp:
+            data = str(Path(tmp) / "synth.tsv")
+            write_synthetic_criteo(data, records, seed=0)
+            for layout, per_message in (("1 record/message", 1), (f"packed {packed}/message", packed)):
+                topic = f"bench-ingest-{uuid.uuid4().hex[:8]}"
+                url = f"kafka://{bootstrap}/{topic}"
+                create_topic(parse_kafka_url(url), topic, 1)
+                replay_file(f"criteo:{data}", url, packed=per_message)
+                n_messages = -(-records // per_message)
+                raw = min((_raw_loop(bootstrap, topic, n_messages) for _ in range(repeat)),
+                          key=lambda r: r[0])
+                ours = min((_source_loop(bootstrap, topic, records) for _ in range(repeat)),
+                           key=lambda r: r[0])
+                for client, (seconds, _, n_bytes) in (("kafka-python loop (a)", raw),
+                                                      ("KafkaSource + decode (b)", ours)):
+                    rows.append({"layout": layout, "client": client, "records": records,
+                                 "records_per_s": records / seconds, "mb_per_s": n_bytes / 1e6 / seconds})
+                rows[-1]["ratio_b_a"] = raw[0] / ours[0]
+                if show_progress:
+                    print(f"bench ingest: {layout}: (b)/(a) = {rows[-1]['ratio_b_a']:.2f}",
+                          file=sys.stderr, flush=True)
+    finally:
+        if broker is not None:
+            broker.stop()
+    from kafka.record import util
+    return {"machine": _machine(), "broker": "local tansu (memory)" if broker else bootstrap,
+            "crc32c": getattr(util, "crc32c_c", None) is not None, "rows": rows}
+
+
+def format_ingest_table(result: dict) -> str:
+    cols = [("layout", "layout", "{}"), ("client", "client", "{}"), ("records", "records", "{:,}"),
+            ("records_per_s", "records/s", "{:,.0f}"), ("mb_per_s", "MB/s", "{:,.1f}"),
+            ("ratio_b_a", "(b)/(a)", "{:.2f}")]
+    table = [[title for _, title, _ in cols]]
+    table += [[fmt.format(r[key]) if key in r else "" for key, _, fmt in cols] for r in result["rows"]]
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+    lines = [" | ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in table]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    head = f"Kafka ingest on {result['machine']}; broker {result['broker']}; crc32c {result['crc32c']}"
+    return head + "\n" + "\n".join(lines)

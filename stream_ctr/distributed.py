@@ -1,0 +1,316 @@
+"""Several replicas over torch.distributed: the process group and the k-step dense merge.
+
+DESIGN.md step 7. Dense replicas train on their own micro-batches and are
+averaged every k steps (PaddleBox's k-step Adam, reference/kstep_hps.md 2.3),
+by flag with their Adam moments; sparse rows have one owner each and never
+need merging (`stream_ctr.sharded_store`).
+
+The process group comes from the torchrun environment (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, LOCAL_WORLD_SIZE): gloo for CPU tensors, NCCL for
+CUDA ones. Every collective runs under the group's timeout and turns a lost
+peer into `DistributedError` naming the operation, so a dead rank stops the
+others with a clear message instead of a hang. Nothing here survives a crash:
+after one, every rank restarts from the last job manifest.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+WAIT_BEFORE_SERVICE_S = 0.1     # agree(): how long to wait for the others before servicing a source
+
+
+class DistributedError(RuntimeError):
+    """A collective failed: another rank died, hung past the timeout or is unreachable."""
+
+
+def launched_by_torchrun() -> bool:
+    """True when the torchrun environment (RANK, WORLD_SIZE, MASTER_*) is set."""
+    return all(v in os.environ for v in TORCHRUN_VARS)
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits in the job."""
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int       # ranks per node (torchrun starts the same number on each)
+    backend: str
+    timeout_s: float
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: torch.device, timeout_s: float, backend: str = "auto") -> DistContext:
+    """Join the job described by the torchrun environment (blocks until all ranks joined,
+    at most `timeout_s`). `auto` picks NCCL for a CUDA device, gloo otherwise."""
+    from stream_ctr.config import ConfigError
+    missing = [v for v in TORCHRUN_VARS if v not in os.environ]
+    if missing:
+        raise ConfigError(f"distributed training needs the torchrun environment ({', '.join(missing)} "
+                          "not set); launch with: torchrun --nproc-per-node=N -m stream_ctr train ...")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("distributed.backend nccl needs a CUDA device (train.device); use gloo on CPU")
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                    rank=rank, world_size=world)
+        except (RuntimeError, ValueError) as e:
+            raise DistributedError(f"rank {rank}: cannot join the job at {os.environ['MASTER_ADDR']}:"
+                                   f"{os.environ['MASTER_PORT']} within {timeout_s:g} s ({_first_line(e)})") from e
+    return DistContext(rank, world, local_rank, local_world, backend, timeout_s)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
+    """Run collectives; a failure (peer gone, timeout) becomes a one-line DistributedError."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, DistributedError):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else -1
+        raise DistributedError(
+            f"rank {rank}: {what} failed, another rank stopped or is unreachable "
+            f"({_first_line(e)}); the job stops here, restart all ranks with --resume "
+            "to continue from the last complete job manifest") from e
+
+
+def agree(flags: Sequence[int], group: dist.ProcessGroup | None = None,
+          while_waiting: Callable[[], None] | None = None) -> list[int]:
+    """Element-wise maximum of small integer flags over all ranks (one tiny all-reduce).
+
+    `while_waiting` runs repeatedly until every rank has arrived: a Kafka
+    consumer must keep polling there, since a group rebalance completes only
+    when every member polls, and the rank we wait for may be inside one.
+    """
+    t = torch.tensor(list(flags), dtype=torch.int64, device=_comm_device(group))
+    with collective("agreeing on the next step"):
+        if while_waiting is None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        else:
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            # The others are usually a few ms behind: only a longer wait is worth
+            # a poll (which may block for the source's poll timeout).
+            patient_until = time.monotonic() + WAIT_BEFORE_SERVICE_S
+            while not work.is_completed():
+                if time.monotonic() < patient_until:
+                    time.sleep(0.0002)
+                else:
+                    while_waiting()
+            work.wait()
+    return t.tolist()
+
+
+def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def ring_allreduce_bytes(payload_bytes: int, n: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of `payload_bytes` over n ranks."""
+    return 2 * (n - 1) * payload_bytes // n if n > 1 else 0
+
+
+@dataclass
+class MergeStats:
+    merges: int = 0              # global (or cross-node) merges
+    node_merges: int = 0         # per-step merges inside a node (hierarchical)
+    payload_bytes: int = 0       # bytes of the averaged tensors, summed over merges
+    sent_bytes: int = 0          # bytes this rank sent (ring all-reduce estimate)
+    seconds: float = 0.0
+
+
+class DenseMerger:
+    """k-step model merging of the dense replicas (reference/kstep_hps.md 2.3).
+
+    `after_step(records)` is called by every rank after every lockstep step
+    (records = rows it trained, 0 when idle); every k steps it averages the
+    dense parameters (and floating buffers) and, with `merge_moments`, Adam's
+    exp_avg / exp_avg_sq, in one flat all-reduce. `flush()` merges now if any
+    step happened since the last merge (end of stream, before a checkpoint),
+    so every rank then holds the same dense state.
+
+    The average is weighted by the records each replica trained since the
+    last merge: with equal micro-batches that is the plain mean PaddleBox
+    takes; a replica that sat idle (an exhausted stripe, a quiet Kafka
+    partition) does not drag the others back to its stale copy. If nobody
+    trained, the plain mean.
+
+    Hierarchical (`node_size` ranks per node, consecutive ranks): the merge
+    runs every step inside each node and every k steps across nodes, between
+    ranks with the same local rank (the node averages are then averaged).
+
+    Blocks in collectives; raises DistributedError when a peer is lost.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, k: int,
+                 merge_moments: bool, hierarchical: bool = False, node_size: int | None = None,
+                 on_merge=None) -> None:
+        if k < 1:
+            raise ValueError(f"merge every k >= 1 steps, got {k}")
+        self.model, self.optimizer, self.k = model, optimizer, k
+        self.merge_moments = merge_moments
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.on_merge = on_merge            # callable(seconds, sent_bytes), e.g. metrics
+        self.stats = MergeStats()
+        self.steps_since_merge = 0
+        self._records = 0                   # this rank (or its node) since the last merge
+        self.node_group = self.cross_group = None
+        if hierarchical:
+            self.node_group, self.cross_group = _node_groups(self.world, node_size or self.world)
+        if merge_moments:
+            _init_adam_state(optimizer)
+
+    # -- the tensors that make up a replica ------------------------------------------
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Parameters, floating buffers and (by flag) Adam's moments, in a fixed order."""
+        out = [p.data for p in self.model.parameters()]
+        out += [b for b in self.model.buffers() if b.is_floating_point()]
+        if self.merge_moments:
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    st = self.optimizer.state[p]
+                    out += [st["exp_avg"], st["exp_avg_sq"]]
+        return out
+
+    def payload_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    # -- schedule ---------------------------------------------------------------------
+
+    def after_step(self, records: int) -> None:
+        """Count a lockstep step; merge inside the node every step (hierarchical) and
+        globally / across nodes every k steps."""
+        self.steps_since_merge += 1
+        if self.node_group is not None:
+            self._records += self._average(self.node_group, records, node=True)
+        else:
+            self._records += records
+        if self.steps_since_merge >= self.k:
+            self.merge()
+
+    def flush(self) -> None:
+        """Merge now if any step ran since the last merge (same decision on every rank)."""
+        if self.steps_since_merge:
+            self.merge()
+
+    def merge(self) -> None:
+        group = self.cross_group if self.node_group is not None else None
+        self._average(group, self._records, node=False)
+        self._records, self.steps_since_merge = 0, 0
+
+    def broadcast_from(self, src: int = 0) -> None:
+        """Make every replica start from rank `src`'s dense state (same seeds should
+        already agree; this makes it a fact)."""
+        flat = _flatten(self.tensors())
+        with collective("broadcasting the initial dense model"):
+            dist.broadcast(flat, src)
+        _unflatten_into(flat, self.tensors())
+
+    def _average(self, group: dist.ProcessGroup | None, records: int, node: bool) -> int:
+        """Records-weighted mean of the replica over `group`; returns the group's records."""
+        n = dist.get_world_size(group)
+        if n == 1:
+            return records
+        t0 = time.perf_counter()
+        tensors = self.tensors()
+        device = tensors[0].device
+        with collective("merging the dense replicas"):
+            total = torch.tensor([float(records)], dtype=torch.float64, device=device)
+            dist.all_reduce(total, group=group)
+            total_records = float(total.item())
+            weight = records / total_records if total_records > 0 else 1.0 / n
+            flat = _flatten(tensors)
+            if weight != 1.0:
+                flat.mul_(weight)
+            dist.all_reduce(flat, group=group)
+        _unflatten_into(flat, tensors)
+        nbytes = flat.numel() * flat.element_size()
+        dt = time.perf_counter() - t0
+        s = self.stats
+        s.payload_bytes += nbytes
+        s.sent_bytes += ring_allreduce_bytes(nbytes, n) + 8 * (n - 1)
+        s.seconds += dt
+        if node:
+            s.node_merges += 1
+        else:
+            s.merges += 1
+        if self.on_merge is not None:
+            self.on_merge(dt, ring_allreduce_bytes(nbytes, n))
+        return int(total_records)
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
+
+
+def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam's state (step 0, zero moments) the way Adam's first step would, so
+    that a replica that has not stepped yet still has moments to average."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif "exp_avg" not in st:
+                raise ValueError("merge_moments needs an Adam-style optimizer (exp_avg, exp_avg_sq)")
+
+
+def _node_groups(world: int, node_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(this rank's node group, its cross-node group of equal local ranks). Every rank
+    creates every group, in the same order, as torch.distributed requires."""
+    if node_size < 1 or world % node_size:
+        raise ValueError(f"hierarchical merge needs the same number of ranks on every node: "
+                         f"world size {world} is not a multiple of {node_size} ranks per node")
+    nodes = world // node_size
+    rank = dist.get_rank()
+    with collective("creating the node groups"):
+        node_group, _ = dist.new_subgroups_by_enumeration(
+            [[n * node_size + i for i in range(node_size)] for n in range(nodes)])
+        cross_group, _ = dist.new_subgroups_by_enumeration(
+            [[n * node_size + i for n in range(nodes)] for i in range(node_size)])
+    assert dist.get_rank(node_group) == rank % node_size
+    return node_group, cross_group

@@ -1,0 +1,114 @@
+"""The host RAM tier: packed rows (the LMDB value bytes) in one uint8 array.
+
+Exclusive with the device cache (a row is resident in one of the two) and
+bounded by a row capacity derived from its byte budget. Rows enter when the
+cache demotes them and leave when the cache promotes them (`take`) or when
+this tier is full (`put` returns the rows it pushed out, for the disk tier).
+Nothing here survives a crash: dirty rows are made durable only by being
+written to LMDB (on demotion or at a checkpoint).
+"""
+from __future__ import annotations
+
+import torch
+
+from stream_ctr.store.device_cache import Rows
+from stream_ctr.store.layout import WRITE_GEN, RowLayout
+from stream_ctr.store.policies import _INF, expired, priority, select_victims
+from stream_ctr.store.slot_index import SlotIndex
+
+
+class HostTier:
+    def __init__(self, capacity: int, layout: RowLayout, policy: str,
+                 evict_fraction: float = 1 / 32) -> None:
+        self.capacity, self.layout, self.policy = capacity, layout, policy
+        # Evicting a chunk at once amortizes the O(capacity) victim selection.
+        self.evict_chunk = int(capacity * evict_fraction)
+        self.rows = layout.empty(capacity)
+        self.slot_keys = torch.full((capacity,), -1, dtype=torch.int64)
+        self.dirty = torch.zeros(capacity, dtype=torch.bool)
+        self.index = SlotIndex(capacity)
+
+    @staticmethod
+    def bytes_per_row(layout: RowLayout) -> int:
+        """RAM bytes per row: packed row, key, dirty flag and the index (16 B x 4 entries)."""
+        return layout.row_bytes + 8 + 1 + 64
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * (self.layout.row_bytes + 9) + self.index.nbytes
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def meta(self) -> torch.Tensor:
+        return self.layout.meta(self.rows)
+
+    def peek(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(found [n], packed rows of the found keys) without moving anything."""
+        slots = self.index.lookup(keys)
+        found = slots >= 0
+        return found, self.rows[slots[found]]
+
+    def take(self, keys: torch.Tensor) -> tuple[torch.Tensor, Rows]:
+        """Remove the resident ones of `keys`; (found [n], their rows in key order)."""
+        slots = self.index.lookup(keys)
+        found = slots >= 0
+        return found, self._remove(slots[found])
+
+    def _remove(self, slots: torch.Tensor) -> Rows:
+        rows = Rows(self.slot_keys[slots], self.rows[slots], self.dirty[slots].clone())
+        self.index.remove(rows.keys)
+        self.slot_keys[slots] = -1
+        self.dirty[slots] = False
+        return rows
+
+    def put(self, incoming: Rows) -> Rows:
+        """Insert rows (absent here); returns the rows pushed out to make room."""
+        n = len(incoming)
+        if n == 0:
+            return Rows.cat([], self.layout, torch.device("cpu"))
+        out: list[Rows] = []
+        if n >= self.capacity:
+            # More rows than the whole tier: everything resident leaves, and
+            # the lowest-priority incoming rows go straight through.
+            out.append(self._remove(torch.nonzero(self.slot_keys >= 0).view(-1)))
+            prio = priority(self.layout.meta(incoming.packed), self.policy)
+            through = select_victims(prio, incoming.keys, n - self.capacity)
+            keep = torch.ones(n, dtype=torch.bool)
+            keep[through] = False
+            out.append(incoming.select(through))
+            incoming = incoming.select(keep)
+        else:
+            need = len(self) + n - self.capacity
+            if need > 0:
+                out.append(self.evict(max(need, min(self.evict_chunk, len(self)))))
+        free = torch.nonzero(self.slot_keys < 0).view(-1)[: len(incoming)]
+        self.rows[free] = incoming.packed
+        self.slot_keys[free] = incoming.keys
+        self.dirty[free] = incoming.dirty
+        self.index.insert(incoming.keys, free)
+        return Rows.cat(out, self.layout, torch.device("cpu"))
+
+    def evict(self, n: int) -> Rows:
+        prio = priority(self.meta(), self.policy)
+        prio[self.slot_keys < 0] = _INF
+        return self._remove(select_victims(prio, self.slot_keys, n))
+
+    def expire(self, clock: int, newest_event_ms: int, ttl_steps: int,
+               ttl_seconds: int) -> tuple[Rows, Rows]:
+        """Remove rows past their TTL: (expired by steps, expired by seconds)."""
+        by_steps, by_seconds = expired(self.meta(), clock, newest_event_ms, ttl_steps, ttl_seconds)
+        live = self.slot_keys >= 0
+        return (self._remove(torch.nonzero(by_steps & live).view(-1)),
+                self._remove(torch.nonzero(by_seconds & live).view(-1)))
+
+    def dirty_slots(self) -> torch.Tensor:
+        return torch.nonzero(self.dirty).view(-1)
+
+    def mark_clean(self, slots: torch.Tensor, write_gen: int) -> None:
+        self.dirty[slots] = False
+        self.meta()[slots, WRITE_GEN] = write_gen
+
+    def without_disk_copy(self) -> int:
+        live = self.slot_keys >= 0
+        return int((live & (self.meta()[:, WRITE_GEN] < 0)).sum())

@@ -1,0 +1,114 @@
+"""A vectorized open-addressing map int64 key -> int64 slot, with removal.
+
+The same probing scheme as stream_ctr/key_index.py (linear probing, one
+gather per probe round over all unresolved keys, no per-key Python, CPU or
+CUDA tensors alike), plus `remove`: a removed entry becomes a tombstone that
+lookups probe past and inserts never reuse, and the table is rebuilt from
+its live entries when live + tombstones pass half the capacity. The tiers
+use it for resident rows, whose slots are reused as rows come and go.
+"""
+from __future__ import annotations
+
+import torch
+
+from stream_ctr.key_index import _slot_hash
+
+EMPTY = -1       # keys are non-negative feature signs
+TOMBSTONE = -2
+
+
+class SlotIndex:
+    """int64 key -> int64 value (a slot number) for up to `max_entries` live keys."""
+
+    def __init__(self, max_entries: int, device: torch.device | str = "cpu") -> None:
+        # 4x the live entries: at most 1/4 live load, rebuilt at 1/2 with tombstones.
+        cap = 1 << max(4, (4 * max(1, max_entries) - 1).bit_length())
+        self.device = torch.device(device)
+        self.keys = torch.full((cap,), EMPTY, dtype=torch.int64, device=self.device)
+        self.vals = torch.full((cap,), EMPTY, dtype=torch.int64, device=self.device)
+        self.size = 0
+        self.tombstones = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return 16 * self.capacity
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _find(self, keys: torch.Tensor) -> torch.Tensor:
+        """Table position of each key, -1 where absent."""
+        mask = self.capacity - 1
+        pos = _slot_hash(keys, mask)
+        out = torch.full_like(keys, -1)
+        active = torch.arange(keys.numel(), device=keys.device)
+        while active.numel():
+            p = pos[active]
+            found = self.keys[p]
+            hit = found == keys[active]
+            out[active[hit]] = p[hit]
+            cont = ~(hit | (found == EMPTY))
+            active = active[cont]
+            pos[active] = (p[cont] + 1) & mask
+        return out
+
+    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
+        """Value of each key, -1 where absent."""
+        pos = self._find(keys)
+        return torch.where(pos >= 0, self.vals[pos.clamp(min=0)], -1)
+
+    def insert(self, keys: torch.Tensor, vals: torch.Tensor) -> None:
+        """Insert keys that are unique and absent."""
+        n = keys.numel()
+        if n == 0:
+            return
+        if 2 * (self.size + self.tombstones + n) > self.capacity:
+            self._rebuild(self.size + n)
+        self._place(keys, vals)
+        self.size += n
+
+    def remove(self, keys: torch.Tensor) -> torch.Tensor:
+        """Remove present keys (absent ones are ignored); returns their values (-1 if absent)."""
+        pos = self._find(keys)
+        vals = torch.where(pos >= 0, self.vals[pos.clamp(min=0)], -1)
+        present = pos[pos >= 0]
+        self.keys[present] = TOMBSTONE
+        self.vals[present] = EMPTY
+        self.size -= present.numel()
+        self.tombstones += present.numel()
+        return vals
+
+    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of every live entry, in table order."""
+        live = self.keys >= 0
+        return self.keys[live], self.vals[live]
+
+    def _place(self, keys: torch.Tensor, vals: torch.Tensor) -> None:
+        mask = self.capacity - 1
+        pos = _slot_hash(keys, mask)
+        pending = torch.arange(keys.numel(), device=keys.device)
+        while pending.numel():
+            p = pos[pending]
+            free = self.keys[p] == EMPTY
+            cand, cand_pos = pending[free], p[free]
+            # Several keys may race for one free slot: one write wins, and the
+            # read-back tells each key whether it was the one.
+            self.keys[cand_pos] = keys[cand]
+            won = self.keys[cand_pos] == keys[cand]
+            self.vals[cand_pos[won]] = vals[cand[won]]
+            pending = torch.cat([pending[~free], cand[~won]])
+            pos[pending] = (pos[pending] + 1) & mask
+
+    def _rebuild(self, min_live: int) -> None:
+        keys, vals = self.items()
+        cap = self.capacity
+        while 4 * min_live > cap:
+            cap *= 2
+        self.keys = torch.full((cap,), EMPTY, dtype=torch.int64, device=self.device)
+        self.vals = torch.full((cap,), EMPTY, dtype=torch.int64, device=self.device)
+        self.tombstones = 0
+        self._place(keys, vals)

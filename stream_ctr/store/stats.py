@@ -1,0 +1,54 @@
+"""Counters and timings of the tiered store, read by the metrics exporter at scrape time.
+
+Counters only grow; `TieredEmbeddingStore.stats()` adds the gauges (rows and
+bytes per tier, LMDB generation and map size). Updated from the training
+thread and the I/O thread, hence the lock.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+TIERS = ("cache", "ram", "disk")
+EVICTION_REASONS = ("cache_to_ram", "ram_to_disk", "ttl_steps", "ttl_seconds", "disk_capacity")
+
+
+@dataclass
+class StoreStats:
+    # lookups[tier][result]: a key looked up in a tier (in prepare) hit or missed there
+    lookups: dict[str, dict[str, int]] = field(
+        default_factory=lambda: {t: {"hit": 0, "miss": 0} for t in TIERS})
+    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
+    rows_created: int = 0
+    admissions_rejected: int = 0        # key-batches that trained on a transient initial row
+    rows_written_back: int = 0          # dirty rows written to LMDB on demotion
+    clean_rows_dropped: int = 0         # clean rows leaving RAM (their LMDB copy is current)
+    prefetch_wait_seconds: float = 0.0  # prepare blocked on the I/O thread
+    prefetched_rows: int = 0
+    lmdb_read_rows: int = 0
+    lmdb_read_seconds: float = 0.0
+    lmdb_written_rows: int = 0          # rows put or deleted, undo entries not counted
+    lmdb_write_seconds: float = 0.0
+    checkpoints: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def lookup(self, tier: str, hits: int, misses: int) -> None:
+        with self._lock:
+            self.lookups[tier]["hit"] += hits
+            self.lookups[tier]["miss"] += misses
+
+    def evicted(self, reason: str, n: int) -> None:
+        with self._lock:
+            self.evictions[reason] += n
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            out = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+            out["lookups"] = {t: dict(r) for t, r in self.lookups.items()}
+            out["evictions"] = dict(self.evictions)
+            return out

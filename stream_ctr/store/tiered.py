@@ -1,0 +1,349 @@
+"""TieredEmbeddingStore: device cache + host RAM + LMDB behind the EmbeddingStore contract.
+
+`prepare(keys)` makes every key of the batch resident in the device cache
+before the step (the no-miss invariant). A miss is looked up in RAM, then on
+disk (in the rows the I/O thread prefetched for this batch, else in LMDB),
+and otherwise created from `init_rows` (subject to admission). Room is made
+by demoting the cache's lowest-priority rows to RAM, and RAM's to LMDB; dirty
+rows are written back (on the I/O thread, while the step runs), clean ones
+are dropped (LMDB holds them). Rows move losslessly, so where a row lives
+never changes a number: training with tiny budgets is bit-identical to one
+big table.
+
+`state_dict()` is the checkpoint: it flushes every dirty resident row and
+commits them with a new LMDB generation in one transaction, and returns the
+generation (with its nonce and the store id) for the checkpoint manifest.
+`load_state_dict()` rolls LMDB back to that generation. What survives a
+crash: exactly the last checkpoint (see lmdb_tier.py); rows demoted since are
+undone on resume.
+
+Threads: the training thread does all tier bookkeeping; one I/O thread runs
+LMDB writes, disk sweeps and the prefetch of the next batch, in order, and
+`prepare` blocks (measured: `prefetch_wait_seconds`) until it is idle.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ops.cowclip_adam import ClipStats, cowclip_adam_
+from stream_ctr.config import ModelConfig, OptimConfig, StoreConfig
+from stream_ctr.embedding import EmbeddingStore, init_rows
+from stream_ctr.store import writeback as wb
+from stream_ctr.store.device_cache import DeviceCache, Rows
+from stream_ctr.store.errors import StoreError
+from stream_ctr.store.generations import GenerationView, commit_checkpoint, rollback
+from stream_ctr.store.host_tier import HostTier
+from stream_ctr.store.io_worker import IoWorker
+from stream_ctr.store.layout import EVENT_MS, LAST_STEP, WRITE_GEN, RowLayout, new_meta
+from stream_ctr.store.lmdb_tier import LmdbTier, WriteBatch
+from stream_ctr.store.plan import StorePlan
+from stream_ctr.store.policies import AdmissionSketch, expired
+from stream_ctr.store.stats import StoreStats
+from stream_ctr.store.views import TieredReads
+
+SWEEP_MIN_ROWS = 65536
+
+
+@dataclass
+class Staged:
+    """The disk part of the next batch's working set, read ahead by the I/O thread."""
+    keys: np.ndarray        # sorted keys that were in neither cache nor RAM
+    found: np.ndarray       # bool per key
+    rows: np.ndarray        # packed rows of the found keys
+
+
+class TieredEmbeddingStore(TieredReads, EmbeddingStore):
+    def __init__(self, plan: StorePlan, store: StoreConfig, model: ModelConfig, seed: int,
+                 device: torch.device | str = "cpu", keep_checkpoints: int = 3,
+                 read_only: bool = False) -> None:
+        self.dim, self.init_std, self.seed = model.embed_dim, model.init_std, seed
+        self.device = torch.device(device)
+        self.plan, self.cfg, self.read_only = plan, store, read_only
+        self.layout = RowLayout(self.dim)
+        # Read-only (evaluation) stores serve `peek` from LMDB alone: no tiers to fill.
+        self._cache_rows, self._ram_rows = (1, 0) if read_only else (plan.cache_rows, plan.ram_rows)
+        self.cache = DeviceCache(self._cache_rows, self.layout, self.device)
+        self.ram = HostTier(self._ram_rows, self.layout, store.policy)
+        self._keep = keep_checkpoints
+        # A read-only store opens LMDB at load_state_dict, at the path the checkpoint recorded.
+        self.disk = None if read_only else self._open_disk(plan.store_dir)
+        width = min(1 << max(16, (2 * plan.working_set_rows - 1).bit_length()), 1 << 22)
+        self.sketch = AdmissionSketch(store.admission_min_count, width, self.device)
+        self.io = IoWorker()
+        self.counters = StoreStats()
+        self.clock, self.newest_event_ms = 0, -1
+        self._staged: Staged | None = None
+        self._started = False
+        self._sweep_from = 0
+        self._disk_rows = self.disk.entries() if self.disk else 0
+        self._disk_bytes = self.disk.file_bytes() if self.disk else 0
+
+    def _open_disk(self, path: str) -> LmdbTier:
+        return LmdbTier(path, self.layout, self.plan.disk_bytes, self._keep, self.read_only)
+
+    @property
+    def weight(self) -> torch.Tensor:                       # type: ignore[override]
+        return self.cache.weight
+
+    # ---- the step ------------------------------------------------------------------
+    def observe_event_time(self, event_time_ms: int) -> None:
+        self.newest_event_ms = max(self.newest_event_ms, int(event_time_ms))
+
+    def prepare(self, keys: torch.Tensor) -> torch.Tensor:
+        """Slots [U] for sorted unique keys [U]; blocks on the I/O thread first."""
+        self._start()
+        staged = self._wait()
+        self.cache.release_transient()
+        self.clock += 1
+        if keys.numel() > self.cache.capacity:
+            raise StoreError(f"a batch has {keys.numel():,} unique keys, more than the device "
+                             f"cache's {self.cache.capacity:,} rows: raise --cache-bytes")
+        slots = self.cache.lookup(keys)
+        hit = slots >= 0
+        miss_idx = torch.nonzero(~hit).view(-1)
+        miss = keys[miss_idx].cpu()
+        n_miss = miss.numel()
+        self.counters.lookup("cache", keys.numel() - n_miss, n_miss)
+
+        in_ram, from_ram = self.ram.take(miss)
+        rest = miss[~in_ram]
+        self.counters.lookup("ram", len(from_ram), rest.numel())
+        on_disk, disk_rows = self._read_disk(rest.numpy(), staged)
+        self.counters.lookup("disk", int(on_disk.sum()), int((~on_disk).sum()))
+        disk_keys = rest.numpy()[on_disk]
+        new_keys = rest[torch.from_numpy(~on_disk)]
+        admit = self.sketch.admit(new_keys.to(self.device)).cpu()
+        self.counters.add(rows_created=int(admit.sum()), admissions_rejected=int((~admit).sum()))
+
+        # Make room, then fill: RAM rows, disk rows, new rows, transient rows.
+        pushed = self._make_room(n_miss, protect=slots[hit])
+        parts = [from_ram, Rows(torch.from_numpy(disk_keys), torch.from_numpy(disk_rows),
+                                torch.zeros(len(disk_keys), dtype=torch.bool)),
+                 self._new_rows(new_keys[admit], dirty=True)]
+        rest_pos = torch.nonzero(~in_ram).view(-1)
+        new_pos = rest_pos[torch.from_numpy(~on_disk)]
+        order = torch.cat([torch.nonzero(in_ram).view(-1), rest_pos[torch.from_numpy(on_disk)],
+                           new_pos[admit], new_pos[~admit]]).to(self.device)
+        alloc = self.cache.take_free(n_miss)
+        slots[miss_idx[order]] = alloc
+        incoming = Rows.cat(parts, self.layout, torch.device("cpu"))
+        self.cache.fill(alloc[:len(incoming)], incoming.keys.to(self.device), incoming.packed,
+                        incoming.dirty)
+        transient = self._new_rows(new_keys[~admit], dirty=False)
+        self.cache.fill(alloc[len(incoming):], transient.keys.to(self.device), transient.packed,
+                        transient.dirty, transient=True)
+        self.cache.meta[slots, LAST_STEP] = self.clock
+        self.cache.meta[slots, EVENT_MS] = self.newest_event_ms
+
+        expired_rows = self._expire_resident(protect=slots)
+        self._write_behind(pushed, expired_rows)
+        return slots
+
+    def prefetch(self, keys: torch.Tensor) -> None:
+        """Read ahead, on the I/O thread, the disk rows of the next batch's unique keys."""
+        if self.read_only:
+            return
+        cpu = keys.cpu()
+        absent = (self.cache.lookup(keys).cpu() < 0) & (self.ram.index.lookup(cpu) < 0)
+        cand = np.sort(cpu[absent].numpy())
+        self.io.submit(self._prefetch_job, cand)
+
+    def update(self, slots: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor,
+               step: int, optim: OptimConfig) -> ClipStats:
+        if self.sketch.enabled:
+            # A key not admitted trains on its initial row for this step only.
+            keep = ~self.cache.transient[slots]
+            slots, grad, counts = slots[keep], grad[keep], counts[keep]
+        clip = cowclip_adam_(self.cache.weight, self.cache.exp_avg, self.cache.exp_avg_sq, slots,
+                             grad, counts, step=step, lr=optim.lr_embed, l2=optim.l2,
+                             clip_r=optim.cowclip_r, clip_zeta=optim.cowclip_zeta,
+                             clip_dims=self.dim, beta1=optim.beta1, beta2=optim.beta2,
+                             eps=optim.eps, cowclip=optim.cowclip)
+        self.cache.add_counts(slots, counts)
+        return clip
+
+    # ---- tier movement -----------------------------------------------------------------
+    def _wait(self) -> Staged | None:
+        self.counters.add(prefetch_wait_seconds=self.io.wait())
+        staged, self._staged = self._staged, None
+        return staged
+
+    def _read_disk(self, keys: np.ndarray, staged: Staged | None) -> tuple[np.ndarray, np.ndarray]:
+        """(found, rows) of sorted keys in neither cache nor RAM: prefetched, else read now."""
+        found = np.zeros(len(keys), dtype=bool)
+        rows = np.zeros((len(keys), self.layout.row_bytes), np.uint8)
+        todo = np.ones(len(keys), dtype=bool)
+        if staged is not None and len(staged.keys) and len(keys):
+            pos = np.searchsorted(staged.keys, keys).clip(max=len(staged.keys) - 1)
+            todo = staged.keys[pos] != keys
+            row_of = np.cumsum(staged.found) - 1
+            got = ~todo & staged.found[pos]
+            rows[got] = staged.rows[row_of[pos[got]]]
+            found |= got
+        if todo.any():
+            t0 = time.perf_counter()
+            f, r = self.disk.get(keys[todo])
+            idx = np.nonzero(todo)[0]
+            rows[idx[f]] = r
+            found[idx[f]] = True
+            self.counters.add(lmdb_read_rows=int(todo.sum()),
+                              lmdb_read_seconds=time.perf_counter() - t0)
+        return found, rows[found]
+
+    def _prefetch_job(self, keys: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        found, rows = self.disk.get(keys)
+        self._staged = Staged(keys, found, rows)
+        self.counters.add(prefetched_rows=len(keys), lmdb_read_rows=len(keys),
+                          lmdb_read_seconds=time.perf_counter() - t0)
+
+    def _new_rows(self, keys: torch.Tensor, dirty: bool) -> Rows:
+        n = keys.numel()
+        w = init_rows(keys.to(self.device), self.dim, self.init_std, self.seed)
+        zeros = torch.zeros_like(w)
+        meta = new_meta(n, self.clock, self.newest_event_ms, self.device)
+        return Rows(keys, self.layout.pack(w, zeros, zeros.clone(), meta).cpu(),
+                    torch.full((n,), dirty, dtype=torch.bool))
+
+    def _make_room(self, n: int, protect: torch.Tensor) -> Rows:
+        """Free `n` cache slots; returns the rows that left RAM for disk."""
+        short = n - self.cache.free
+        if short <= 0:
+            return Rows.cat([], self.layout, torch.device("cpu"))
+        demoted = self.cache.evict(short, protect, self.cfg.policy).to(torch.device("cpu"))
+        self.counters.evicted("cache_to_ram", len(demoted))
+        pushed = self.ram.put(demoted)
+        self.counters.evicted("ram_to_disk", len(pushed))
+        return pushed
+
+    def _expire_resident(self, protect: torch.Tensor) -> list[Rows]:
+        ttl, ttl_s = self.cfg.ttl_steps, self.cfg.ttl_seconds
+        if not (ttl or ttl_s) or self.clock % max(1, ttl // 16) != 0:
+            return []
+        occupied = self.cache.slot_keys >= 0
+        occupied[protect] = False
+        by_steps, by_seconds = expired(self.cache.meta, self.clock, self.newest_event_ms, ttl, ttl_s)
+        out = []
+        for reason, mask in (("ttl_steps", by_steps), ("ttl_seconds", by_seconds)):
+            gone = self.cache.remove(torch.nonzero(mask & occupied).view(-1)).to(torch.device("cpu"))
+            self.counters.evicted(reason, len(gone))
+            out.append(gone)
+        for reason, gone in zip(("ttl_steps", "ttl_seconds"),
+                                self.ram.expire(self.clock, self.newest_event_ms, ttl, ttl_s)):
+            self.counters.evicted(reason, len(gone))
+            out.append(gone)
+        return out
+
+    def _write_behind(self, pushed: Rows, expired_rows: list[Rows]) -> None:
+        gen = self.disk.open_generation
+        dirty = pushed.select(pushed.dirty)
+        self.counters.add(rows_written_back=len(dirty), clean_rows_dropped=len(pushed) - len(dirty))
+        gone = Rows.cat(expired_rows, self.layout, torch.device("cpu"))
+        batch = wb.merge(wb.put_batch(dirty, self.layout, gen), wb.delete_batch(gone, self.layout, gen))
+        if len(batch):
+            self.io.submit(self._write_job, batch)
+        if self._disk_rows > self.plan.disk_rows or self.cfg.ttl_steps or self.cfg.ttl_seconds:
+            self.io.submit(self._sweep_job)
+
+    def _write_job(self, batch: WriteBatch) -> None:
+        t0 = time.perf_counter()
+        self.disk.apply(batch)
+        self.counters.add(lmdb_written_rows=len(batch.put_keys) + len(batch.del_keys),
+                          lmdb_write_seconds=time.perf_counter() - t0)
+        self._disk_rows, self._disk_bytes = self.disk.entries(), self.disk.file_bytes()
+
+    def _resident(self, keys: torch.Tensor) -> torch.Tensor:
+        return (self.cache.lookup(keys.to(self.device)).cpu() >= 0) | (self.ram.index.lookup(keys) >= 0)
+
+    def _sweep_job(self) -> None:
+        over = self._disk_rows - self.plan.disk_rows
+        ttl = self.cfg.ttl_steps
+        n = max(SWEEP_MIN_ROWS, 4 * over, -(-self._disk_rows // ttl) if ttl else 0)
+        batch, counts, self._sweep_from = wb.sweep(
+            self.disk, self._sweep_from, min(n, 1 << 20), over, self._resident, self.clock,
+            self.newest_event_ms, ttl, self.cfg.ttl_seconds, self.cfg.policy)
+        for reason, k in counts.items():
+            self.counters.evicted(reason, k)
+        if len(batch):
+            self._write_job(batch)
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def _start(self) -> None:
+        """A fresh run must not train on top of an earlier run's table."""
+        if self._started:
+            return
+        if self.read_only:
+            raise StoreError("this store was opened read-only (for evaluation)")
+        if self.disk.generation > 0:
+            gen, rows, path = self.disk.generation, self.disk.entries(), self.disk.path
+            self.close()                # unusable for this run; release the environment
+            raise StoreError(
+                f"the store directory {path} already holds a table (generation "
+                f"{gen}, {rows:,} rows) of an earlier run: resume it "
+                "with --resume, or use an empty --store-dir")
+        if self.disk.entries() or self.disk.undo_generations():
+            rollback(self.disk, 0)      # rows of a run that crashed before its first checkpoint
+        self._started = True
+
+    def state_dict(self) -> dict:
+        """Checkpoint: flush dirty rows and commit a generation (one LMDB transaction)."""
+        if self.read_only:
+            raise StoreError("a read-only store cannot be checkpointed")
+        self._start()
+        self._wait_keep_staged()
+        cslots = torch.nonzero(self.cache.dirty & (self.cache.slot_keys >= 0)).view(-1)
+        rslots = self.ram.dirty_slots()
+        rows = Rows.cat([Rows(self.cache.slot_keys[cslots].cpu(), self.cache.pack(cslots).cpu(),
+                              torch.ones(cslots.numel(), dtype=torch.bool)),
+                         Rows(self.ram.slot_keys[rslots], self.ram.rows[rslots],
+                              torch.ones(rslots.numel(), dtype=torch.bool))],
+                        self.layout, torch.device("cpu"))
+        batch = wb.put_batch(rows, self.layout, self.disk.open_generation)
+        gen, nonce = commit_checkpoint(self.disk, batch)
+        # Written: clean, with a disk copy of generation `gen`.
+        self.cache.dirty[cslots] = False
+        self.cache.meta[cslots, WRITE_GEN] = gen
+        self.ram.mark_clean(rslots, gen)
+        self.counters.add(checkpoints=1, lmdb_written_rows=len(batch.put_keys))
+        self._disk_rows, self._disk_bytes = self.disk.entries(), self.disk.file_bytes()
+        return {"kind": "tiered", "store_id": self.disk.store_id, "generation": gen, "nonce": nonce,
+                "store_dir": str(Path(self.disk.path).resolve()), "clock": self.clock,
+                "newest_event_ms": self.newest_event_ms, "dim": self.dim,
+                "sketch": self.sketch.state_dict()}
+
+    def _wait_keep_staged(self) -> None:
+        staged = self._wait()
+        self._staged = staged       # a checkpoint writes only resident rows: still valid
+
+    def load_state_dict(self, state: dict) -> None:
+        self._wait()
+        if state.get("kind") != "tiered":
+            raise StoreError("this checkpoint holds an in-memory embedding table; resume it with "
+                             "store.kind = memory (importing it into a tiered store is not supported)")
+        if self.disk is None:
+            self.disk = self._open_disk(state["store_dir"])
+        if state["store_id"] != self.disk.store_id:
+            raise StoreError(f"the checkpoint's rows live in LMDB store {state['store_dir']} "
+                             f"(id {state['store_id']}), but {self.disk.path} is another store "
+                             f"(id {self.disk.store_id}): point store.store_dir at the right one")
+        gen, nonce = int(state["generation"]), str(state["nonce"])
+        if self.read_only:
+            self.disk.view = GenerationView(self.disk, gen, nonce)
+        else:
+            rollback(self.disk, gen, nonce)
+            self.cache = DeviceCache(self._cache_rows, self.layout, self.device)
+            self.ram = HostTier(self._ram_rows, self.layout, self.cfg.policy)
+        self.clock, self.newest_event_ms = int(state["clock"]), int(state["newest_event_ms"])
+        self.sketch.load_state_dict(state["sketch"])
+        self._started = True
+        self._disk_rows, self._disk_bytes = self.disk.entries(), self.disk.file_bytes()
+
+    def close(self) -> None:
+        self.io.close()
+        if self.disk is not None:
+            self.disk.close()

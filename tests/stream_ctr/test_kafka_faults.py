@@ -1,0 +1,197 @@
+"""Trainer processes against a real broker: SIGKILL crashes, a rebalance, a broker outage.
+
+Each trainer is a `stream-ctr train` child process started through a small
+driver that can (a) kill itself with SIGKILL at a precise point (after the
+n-th step, inside the n-th checkpoint write, before the n-th group commit),
+(b) slow its steps down, and (c) log every trained (partition, offset).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from connectors.kafka_options import parse_kafka_url
+from connectors.kafka_sink import create_topic
+from connectors.replay import replay_file
+from stream_ctr.checkpoint import load_checkpoint
+from stream_ctr.train_loop import train
+from tests.kafka_broker import KafkaHelper, kafka_set_args
+from tests.stream_ctr.test_kafka_train import kafka_config
+from tests.stream_ctr.test_train_loop import tensors_equal
+
+ROOT = Path(__file__).resolve().parents[2]
+
+DRIVER = r"""
+import os, signal, sys, time
+mode, n, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+import numpy as np
+import connectors.kafka, stream_ctr.trainer
+calls = [0]
+def maybe_die():
+    calls[0] += 1
+    if calls[0] == n:
+        os.kill(os.getpid(), signal.SIGKILL)
+step = stream_ctr.trainer.Trainer.train_step
+def train_step(self, batch, *args, **kwargs):
+    result = step(self, batch, *args, **kwargs)
+    if log != "-":
+        names = np.array(batch.partitions)[batch.partition]
+        with open(log, "a") as f:
+            f.write("".join(f"{p} {o}\n" for p, o in zip(names, batch.offset.tolist())))
+    if mode == "step":
+        maybe_die()
+    if mode == "slow":
+        time.sleep(n / 1000)
+    return result
+stream_ctr.trainer.Trainer.train_step = train_step
+if mode == "checkpoint":                 # inside the write: the new directory is not renamed yet
+    rename = os.rename
+    def dying_rename(src, dst, *a, **k):
+        if ".tmp-ckpt" in str(src):
+            maybe_die()
+        return rename(src, dst, *a, **k)
+    os.rename = dying_rename
+if mode == "commit":                     # the checkpoint is durable, the group commit not done
+    commit = connectors.kafka.KafkaSource.commit
+    def dying_commit(self, positions):
+        maybe_die()
+        return commit(self, positions)
+    connectors.kafka.KafkaSource.commit = dying_commit
+from stream_ctr.cli import main
+sys.exit(main(sys.argv[4:]))
+"""
+
+
+def trainer(mode: str, n: int, log: str, args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", DRIVER, mode, str(n), log, "train", *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def train_args(url: str, run_dir: Path, *extra: str) -> list[str]:
+    return [url, "--run-dir", str(run_dir), "--batch-size", "64", "--threads", "1", "--json",
+            "--set", "model.mlp_dims=32,32", "--set", "data.max_batch_delay_s=1e9",
+            *kafka_set_args(), *extra]
+
+
+def trained_rows(log: Path) -> list[tuple[str, int]]:
+    if not log.exists():
+        return []
+    return [(p, int(o)) for p, o in (line.split() for line in log.read_text().splitlines())]
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def checkpointed(run_dir: Path) -> int:
+    return load_checkpoint(run_dir).records_trained if (run_dir / "checkpoints" / "LATEST").exists() else 0
+
+
+def test_sigkill_at_several_points_then_resume_is_bit_identical(kafka, tmp_path):
+    total = 1600                          # 25 batches of 64
+    topic = kafka.topic()
+    replay_file("criteo:sample", kafka.url(topic), limit=total)
+    # The uninterrupted run over the same records.
+    ref = kafka_config(tmp_path / "ref", kafka.url(topic, "ref"), batch_size=64, limit_records=total)
+    assert train(ref, show_progress=False).records_trained == total
+
+    run_dir = tmp_path / "crash"
+    url = kafka.url(topic, "crash")
+    # (failpoint, n): after step 5 (checkpoint at 3 survives); inside the 2nd checkpoint
+    # write; before the 1st group commit (checkpoint durable, group behind); then to the end.
+    for mode, n in (("step", 5), ("checkpoint", 2), ("commit", 1), ("none", 0)):
+        before = checkpointed(run_dir)
+        resume = ["--resume", str(run_dir)] if before else []
+        child = trainer(mode, n, "-", train_args(url, run_dir, "--checkpoint-every", "3",
+                                                 "--stop-after-records", str(total - before), *resume))
+        out, err = child.communicate(timeout=120)
+        if mode == "none":
+            assert child.returncode == 0, err
+            summary = json.loads(out.strip().splitlines()[-1])
+            assert summary["records_trained_total"] == total
+        else:
+            assert child.returncode == -signal.SIGKILL, err
+            assert checkpointed(run_dir) >= before
+        if mode == "checkpoint":              # the half-written checkpoint is left aside
+            assert list((run_dir / "checkpoints").glob(".tmp-ckpt-*"))
+        if mode == "commit":                  # the group is behind the checkpoint: resume must not use it
+            group = kafka.committed("crash", topic, 1).get(f"{topic}/0", 0)
+            assert group < load_checkpoint(run_dir).positions[f"{topic}/0"]
+    crashed, whole = load_checkpoint(run_dir), load_checkpoint(ref.train.run_dir)
+    assert crashed.records_trained == whole.records_trained == total          # nothing lost or twice
+    assert crashed.positions == whole.positions == {f"{topic}/0": total}
+    assert tensors_equal(crashed.tensors["trainer"], whole.tensors["trainer"])
+    assert tensors_equal(crashed.tensors["window"], whole.tensors["window"])
+    assert kafka.committed("crash", topic, 1) == {f"{topic}/0": total}
+
+
+def test_a_second_consumer_joins_and_leaves_every_record_trained_once(kafka, tmp_path):
+    topic = kafka.topic(partitions=4)
+    records = 6000
+    replay_file("criteo:sample", kafka.url(topic), limit=records)
+    url = kafka.url(topic, "rebalance")
+    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    a = trainer("slow", 150, str(log_a), train_args(url, tmp_path / "a", "--checkpoint-every", "5",
+                                                    "--stop-when-idle", "4"))
+    try:
+        wait_for(lambda: len(trained_rows(log_a)) >= 640, 60, "the first trainer to start")
+        b = trainer("slow", 150, str(log_b), train_args(url, tmp_path / "b", "--checkpoint-every", "5"))
+        wait_for(lambda: len(trained_rows(log_b)) >= 320, 60, "the second trainer to get partitions")
+        b.send_signal(signal.SIGTERM)                 # finishes its batch, checkpoints, commits, leaves
+        out_b, err_b = b.communicate(timeout=60)
+        out_a, err_a = a.communicate(timeout=120)
+    finally:
+        for child in (a, locals().get("b")):
+            if child is not None and child.poll() is None:
+                child.kill()
+    assert a.returncode == 0 and b.returncode == 0, (err_a[-2000:], err_b[-2000:])
+    rows_a, rows_b = trained_rows(log_a), trained_rows(log_b)
+    assert rows_b and len(rows_a) > len(rows_b)
+    everything = sorted(rows_a + rows_b)
+    assert everything == sorted((f"{topic}/{p}", o) for p in range(4) for o in range(records // 4))
+    # What each trainer says it trained into its model adds up the same.
+    sa, sb = (json.loads(out.strip().splitlines()[-1]) for out in (out_a, out_b))
+    assert sa["records_trained_total"] + sb["records_trained_total"] == records
+    assert "revoked by a rebalance" in err_a
+    assert kafka.committed("rebalance", topic, 4) == {f"{topic}/{p}": records // 4 for p in range(4)}
+
+
+def test_broker_outage_the_trainer_waits_says_so_and_continues(fresh_broker, tmp_path):
+    kafka = KafkaHelper(fresh_broker.bootstrap)
+    topic, half = "outage", 640
+    replay_to = kafka.url(topic)
+
+    def recreate_and_replay(limit: int) -> None:
+        create_topic(parse_kafka_url(replay_to), topic, 1)
+        replay_file("criteo:sample", replay_to, limit=limit)
+
+    recreate_and_replay(half)
+    log = tmp_path / "trained.log"
+    child = trainer("none", 0, str(log), train_args(kafka.url(topic, "outage"), tmp_path / "run",
+                                                    "--checkpoint-every", "2", "--stop-after-records",
+                                                    str(2 * half), "--set", "kafka.dead_letter_topic="))
+    try:
+        wait_for(lambda: len(trained_rows(log)) >= half, 60, "the first half to be trained")
+        fresh_broker.stop()                    # memory storage: topic, records, group are gone
+        time.sleep(5)
+        fresh_broker.start()                   # same port
+        recreate_and_replay(2 * half)          # the same first half again, then the second
+        out, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 0, err[-3000:]
+    assert "unreachable" in err and "reachable again" in err, err[-3000:]
+    assert [o for _, o in trained_rows(log)] == list(range(2 * half))     # each record once, in order
+    ckpt = load_checkpoint(tmp_path / "run")
+    assert ckpt.records_trained == 2 * half and ckpt.positions == {f"{topic}/0": 2 * half}
+    assert kafka.committed("outage", topic, 1) == {f"{topic}/0": 2 * half}

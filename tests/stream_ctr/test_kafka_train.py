@@ -1,0 +1,107 @@
+"""Training from Kafka in-process: accuracy vs the file source, dead letters, packed resume, errors."""
+import gzip
+
+import pytest
+
+from connectors.files import SAMPLE_PATHS
+from connectors.replay import replay_file
+from stream_ctr.checkpoint import load_checkpoint
+from stream_ctr.cli import main
+from stream_ctr.config import Config, ConfigError, validate
+from stream_ctr.train_loop import evaluate_checkpoint, train
+from tests.kafka_broker import TEST_KAFKA
+from tests.stream_ctr.test_train_loop import tensors_equal
+
+TRAIN_RECORDS = 13044          # the first 90% of the Criteo sample; the rest is the test set
+
+
+def kafka_config(tmp_path, source: str, **data) -> Config:
+    cfg = Config()
+    cfg.data.source = source
+    cfg.data.batch_size = 128
+    cfg.data.max_batch_delay_s = 1e9        # batches by size only: runs are reproducible
+    cfg.model.mlp_dims = (32, 32)
+    cfg.train.run_dir = str(tmp_path / "run")
+    cfg.train.threads = 1
+    for name, value in TEST_KAFKA.items():
+        setattr(cfg.kafka, name, value)
+    for name, value in data.items():
+        setattr(cfg.data, name, value)
+    return cfg
+
+
+def test_kafka_training_matches_the_file_source_and_commits_the_checkpoint_offsets(kafka, tmp_path):
+    topic = kafka.topic(partitions=3)
+    replay_file("criteo:sample", kafka.url(topic), limit=TRAIN_RECORDS)
+    cfg = kafka_config(tmp_path / "kafka", kafka.url(topic, "auc"), limit_records=TRAIN_RECORDS)
+    cfg.train.checkpoint_every_batches = 40
+    s = train(cfg, show_progress=False)
+    assert s.records_trained == TRAIN_RECORDS and s.records_rejected == 0
+    ckpt = load_checkpoint(cfg.train.run_dir)
+    assert ckpt.positions == {f"{topic}/{p}": 4348 for p in range(3)}
+    assert kafka.committed("auc", topic, 3) == ckpt.positions          # external lag tools agree
+    kafka_auc = evaluate_checkpoint(cfg.train.run_dir, "criteo:sample", start=TRAIN_RECORDS)["auc"]
+
+    file_cfg = kafka_config(tmp_path / "file", "criteo:sample", holdout_fraction=0.1)
+    file_auc = train(file_cfg, show_progress=False).test["auc"]
+    # Same records, a different order (3 partitions interleave): equal within noise.
+    assert abs(kafka_auc - file_auc) < 0.03, (kafka_auc, file_auc)
+    assert kafka_auc > 0.65
+
+
+def test_bad_records_go_to_the_dead_letter_topic_with_reasons(kafka, tmp_path):
+    topic = kafka.topic(partitions=2)
+    good = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:600]
+    bad = {b"1\t2\t3": "field_count", b"x" + good[0][1:]: "bad_label",
+           good[1].replace(b"\t", b"\tz", 1): "bad_integer", b"": "empty_message"}
+    values = good[:300] + list(bad) + good[300:]
+    kafka.produce(topic, values, partitions=[i % 2 for i in range(len(values))])
+    cfg = kafka_config(tmp_path, kafka.url(topic, "dlq"))
+    cfg.kafka.stop_when_idle_s = 1.5
+    s = train(cfg, show_progress=False)
+    assert s.records_trained == 600 and s.records_rejected == 4
+    assert s.rejected_by_reason == {r: 1 for r in bad.values()}
+    assert s.dead_letter_path.endswith(f"/{topic}.dead-letter")
+    letters = kafka.dead_letters(f"{topic}.dead-letter")
+    expected = {(topic, (300 + i) % 2, (300 + i) // 2, reason) for i, reason in enumerate(bad.values())}
+    assert {(d["topic"], d["partition"], d["offset"], d["reason"]) for d in letters} == expected
+    assert load_checkpoint(cfg.train.run_dir).positions == {f"{topic}/0": 302, f"{topic}/1": 302}
+
+
+def test_resume_inside_packed_messages_is_bit_identical(kafka, tmp_path):
+    topic = kafka.topic()
+    replay_file("criteo:sample", kafka.url(topic), packed=50, limit=1000)
+    whole = kafka_config(tmp_path / "whole", kafka.url(topic, "whole"), batch_size=64, limit_records=1000)
+    assert train(whole, show_progress=False).records_trained == 1000
+
+    part = kafka_config(tmp_path / "part", kafka.url(topic, "part"), batch_size=64, limit_records=448)
+    train(part, show_progress=False)
+    # 448 rows = 8 messages of 50 and 48 rows of the 9th: the checkpoint says so.
+    assert load_checkpoint(part.train.run_dir).positions == {f"{topic}/0": 8, f"{topic}/0#rows_done": 48}
+    assert kafka.committed("part", topic, 1) == {f"{topic}/0": 8}
+    part.data.limit_records = 552
+    s = train(part, resume=part.train.run_dir, show_progress=False)
+    assert s.records_trained == 552 and s.records_trained_total == 1000
+    a = load_checkpoint(whole.train.run_dir)
+    b = load_checkpoint(part.train.run_dir)
+    assert a.positions == b.positions == {f"{topic}/0": 20}
+    assert tensors_equal(a.tensors["trainer"], b.tensors["trainer"])
+    assert tensors_equal(a.tensors["window"], b.tensors["window"])
+
+
+def test_user_errors_are_one_line(kafka, tmp_path, capsys):
+    run = ["--run-dir", str(tmp_path / "run"), "--quiet", "--set", "kafka.connect_timeout_s=1"]
+    cases = [(["kafka://127.0.0.1:9/clicks"], "cannot reach a Kafka broker at 127.0.0.1:9"),
+             ([kafka.url("no-such-topic-abc")], "topic 'no-such-topic-abc' does not exist"),
+             (["kafka://127.0.0.1/clicks"], "must be HOST:PORT"),
+             ([kafka.url("t") + "?colour=red"], "unknown parameter 'colour'"),
+             ([kafka.url("t"), "--holdout-fraction", "0.1"], "data.holdout_fraction needs a file"),
+             ([kafka.url("t"), "--set", "kafka.value_format=xml"], "kafka.value_format")]
+    for args, message in cases:
+        assert main(["train", *args, *run]) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("stream-ctr: error: ") and message in err[-1], (args, err)
+    cfg = kafka_config(tmp_path, "criteo:sample")
+    cfg.kafka.start = "soon"
+    with pytest.raises(ConfigError, match="kafka.start"):
+        validate(cfg)

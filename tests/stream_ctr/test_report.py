@@ -1,0 +1,85 @@
+"""`stream-ctr report`: PNGs and HTML from a finished run's time series."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stream_ctr.cli import main
+from stream_ctr.config import Config, ConfigError
+from stream_ctr.report import find_run_dir, load_series, write_report
+from stream_ctr.train_loop import train
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOTS = {"auc_logloss.png", "throughput.png", "lag.png", "tier_hit_ratio.png"}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A short real run on the bundled Avazu sample (it has event times), checkpointed twice."""
+    tmp = tmp_path_factory.mktemp("report")
+    cfg = Config()
+    cfg.data.source = "avazu:sample"
+    cfg.data.batch_size = 64
+    cfg.data.limit_records = 1600
+    cfg.model.mlp_dims = (16,)
+    cfg.train.run_dir = str(tmp / "run")
+    cfg.train.threads = 1
+    cfg.train.checkpoint_every_batches = 10
+    cfg.train.eval_window_records = 800
+    cfg.metrics.timeseries_every_s = 1e-9
+    train(cfg, show_progress=False)
+    return tmp / "run"
+
+
+def test_report_writes_four_plots_and_a_page(finished_run):
+    out = write_report(finished_run)
+    assert {p.name for p in out.plots} == PLOTS
+    for p in out.plots:
+        data = p.read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 10_000, p
+    assert out.records == 1600
+    page = out.html.read_text()
+    for name in PLOTS:
+        assert f'src="{name}"' in page
+    for text in ("deepfm", "avazu:sample", "records trained (run)", "1,600", "prequential AUC"):
+        assert text in page, text
+
+
+def test_report_from_a_checkpoint_directory_and_the_cli(finished_run, tmp_path, capsys):
+    ckpt = finished_run / "checkpoints" / (finished_run / "checkpoints" / "LATEST").read_text().strip()
+    assert find_run_dir(ckpt) == finished_run
+    assert find_run_dir(finished_run / "checkpoints") == finished_run
+    code = main(["report", str(ckpt), "--out", str(tmp_path / "out"), "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["records"] == 1600 and result["report"].endswith("index.html")
+    assert {p.rsplit("/", 1)[1] for p in result["plots"]} == PLOTS
+
+
+def test_report_without_a_time_series_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="timeseries.jsonl"):
+        write_report(tmp_path)
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+
+
+def test_report_draws_ranks_tiers_restarts_and_survives_a_torn_line(tmp_path):
+    """Synthetic series: two invocations, three tiers, a second rank, a crash mid-line."""
+    def interval(t, records, lag, dev, host):
+        return {"kind": "interval", "t": t, "records": records, "samples_per_s": 100.0, "auc": 0.7,
+                "logloss": 0.5, "calibration": 1.0, "lag_records": lag, "freshness_s": 3.0,
+                "hit_ratio": {"device": dev, "host": host, "disk": 1.0}, "rows": {"device": 10}}
+    lines = [{"kind": "start", "t": 0, "records": 0, "model": "dcnv2", "source": "kafka://x/t"}]
+    lines += [interval(10 * i, 1000 * i, 500 - i, 0.9, 0.5) for i in range(1, 6)]
+    lines += [{"kind": "start", "t": 100, "records": 5000}]
+    lines += [interval(100 + 10 * i, 5000 + 1000 * i, 400, 0.95, None) for i in range(1, 4)]
+    (tmp_path / "timeseries.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + '\n{"kind": "inter')
+    (tmp_path / "timeseries-rank1.jsonl").write_text("\n".join(json.dumps(x) for x in lines[:4]) + "\n")
+    series = load_series(tmp_path)
+    assert [s.rank for s in series] == [0, 1] and len(series[0].intervals) == 8
+    assert len(series[0].starts) == 2 and series[0].end is None
+    out = write_report(tmp_path)
+    assert out.records == 8000
+    page = out.html.read_text()
+    assert "still going or crashed" in page and "dcnv2" in page
