@@ -29,8 +29,11 @@ positions *before* the group may hand them to another member.  Rows of a
 revoked partition are therefore trained by this trainer only up to that
 committed offset, and by the next owner only after it.  A *lost* membership
 (session expired, broker restarted) cannot commit: rows are dropped the same
-way, and the trained position is kept to continue from if the partition
-comes back.
+way, and the trained position stays in the checkpoints (and is where this
+trainer continues if the partition comes back).  Since every ``read()``
+polls, a rebalance waits at most one train step for this member.  The
+trainer's hook runs on kafka-python's IO thread (its caller is blocked), so a
+checkpoint written there must not need the caller's thread.
 
 Outages.  Mid-stream, an unreachable broker is retried with growing backoff
 (kafka-python reconnects by itself; the source probes and logs one clear line
@@ -38,9 +41,16 @@ when it goes away and one when it is back) and ``read()`` keeps returning
 empty batches, so the trainer can still stop on a signal.  At start-up an
 unreachable broker or a missing topic is a `SourceError`.
 
-Backpressure.  Rows decoded but not yet returned stay in a bounded buffer;
-above ``max_buffered_records`` the partitions are paused (the consumer keeps
-its group membership but fetches nothing) and resumed below half of it.
+Backpressure.  Every ``read()`` polls (heartbeats and rebalances go on while
+the trainer works through a large fetch); rows decoded but not yet returned
+stay in a buffer, and above ``max_buffered_records`` the partitions are
+paused (the consumer keeps its membership but fetches nothing) and resumed
+below half of it, so memory stays bounded when the trainer is behind.
+
+Order.  Within a partition, offset order.  The partitions of one fetch are
+interleaved by message timestamp (`kafka_decode.event_order`), so a backfill
+of several partitions trains in roughly event order rather than partition
+after partition.
 
 Lag is counted: per partition, records fetched but not yet trained (the
 broker's high watermark is not used; some brokers, tansu among them, report
@@ -60,7 +70,8 @@ import numpy as np
 
 from connectors.batch import Batch, Positions, Rejected
 from connectors.files import SourceError
-from connectors.kafka_client import BrokerWatch, connect_consumer, topic_partition
+from connectors.kafka_client import BrokerWatch, connect_consumer
+from connectors.kafka_client import topic_partition as _tp
 from connectors.kafka_decode import decode_messages, event_order
 from connectors.kafka_listener import Listener
 from connectors.kafka_options import KafkaUrl, check_crc32c, partition_name, start_timestamp_ms
@@ -358,6 +369,8 @@ class KafkaSource:
         if tps:
             self._consumer.pause(*tps)      # nothing is fetched before it is positioned
             log.info("kafka: assigned %s", ", ".join(sorted(names)))
+        else:
+            self._initial = {}              # the checkpoint's positions serve the first assignment only
         self._joined = True
         self._idle_since = time.monotonic()
 
@@ -419,5 +432,3 @@ class KafkaSource:
         return {_tp(n): OffsetAndMetadata(off, commit_metadata(done), -1)
                 for n, (off, done) in positions.items() if not owned_only or n in self._book.trained}
 
-
-_tp = topic_partition

@@ -52,7 +52,7 @@ class KafkaOptions:
     poll_timeout_s: float = 0.5                # longest a read() waits for records
     session_timeout_ms: int = 30000            # tansu joins a group after half of this
     heartbeat_interval_ms: int = 3000
-    connect_timeout_s: float = 30.0            # start-up: broker unreachable -> error after this
+    connect_timeout_s: float = 10.0            # start-up: broker unreachable -> error after this
     reconnect_backoff_max_s: float = 10.0      # mid-stream outage: retry interval grows to this
     commit_timeout_s: float = 30.0             # a group commit that fails longer is logged and skipped
     client_id: str = "stream-ctr"

@@ -59,6 +59,15 @@ def topic_partitions(url: KafkaUrl, topic: str) -> int:
     return 0
 
 
+def require_topics(url: KafkaUrl) -> None:
+    """SourceError unless every topic of `url` exists (checked before anything is created)."""
+    missing = [t for t in url.topics if not topic_partitions(url, t)]
+    if missing:
+        raise SourceError(f"topic {', '.join(map(repr, missing))} does not exist on "
+                          f"{','.join(url.bootstrap)} (create it, e.g. with "
+                          f"`stream-ctr replay FILE --to {url.text} --partitions N`)")
+
+
 def create_topic(url: KafkaUrl, topic: str, partitions: int) -> bool:
     """Create `topic` with `partitions` partitions (the broker's default replication).
 

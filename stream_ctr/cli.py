@@ -29,9 +29,12 @@ EPILOG = """examples:
   stream-ctr replay criteo:sample --to kafka://127.0.0.1:9092/clicks --partitions 3
   stream-ctr train 'kafka://127.0.0.1:9092/clicks?group=ctr' --checkpoint-every 100
   stream-ctr bench ingest                           # Kafka consume + decode throughput
+  torchrun --nproc-per-node=4 -m stream_ctr train --merge-every 16   # 4 replicas, sharded rows
+  stream-ctr bench merge                            # k-step merge: bytes, ms/step, AUC per k
 
 options can also come from a TOML file (--config, or $STREAM_CTR_CONFIG) and from
---set section.name=value (sections: data, model, optim, train, metrics, kafka)."""
+--set section.name=value (sections: data, model, optim, train, metrics, kafka,
+distributed)."""
 
 
 def _env(name: str, default: Any = None) -> Any:

@@ -154,7 +154,8 @@ def open_kafka_source(run: "Run", url: KafkaUrl) -> "KafkaSource":
 def open_dead_letter(cfg: Config, url: KafkaUrl | None):
     """The run's dead-letter sink: the Kafka dead-letter topic, or the JSON-lines file."""
     if url is not None and url.options.dead_letter_topic:
-        from connectors.kafka_sink import KafkaDeadLetter
+        from connectors.kafka_sink import KafkaDeadLetter, require_topics
+        require_topics(url)                 # a typo must not leave a dead-letter topic behind
         topic = url.options.dead_letter_topic.replace("{topic}", url.topics[0])
         return KafkaDeadLetter(url, topic)
     return DeadLetterFile(cfg.data.dead_letter_path or Path(cfg.train.run_dir) / "dead_letter.jsonl")

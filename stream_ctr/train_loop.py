@@ -188,7 +188,7 @@ class Run:
         return self.remaining == 0
 
     def open_source(self):
-        if self.stream is not None:          # opened once, closed by close(): one long epoch
+        if self.stream is not None:          # opened once, closed when the run exits: one long epoch
             if self.source is None:
                 self.source = open_kafka_source(self, self.stream)
             return contextlib.nullcontext(self.source)

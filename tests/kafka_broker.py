@@ -48,8 +48,14 @@ class KafkaHelper:
         assert create_topic(parse_kafka_url(f"kafka://{self.bootstrap}/{name}"), name, partitions)
         return name
 
+    @staticmethod
+    def group(group: str, topic: str) -> str:
+        """The group id a test's `group` gets: made unique per topic, since the
+        session broker is shared and a killed member lingers for a session timeout."""
+        return f"{group}-{topic}"
+
     def url(self, topic: str, group: str | None = None) -> str:
-        return f"kafka://{self.bootstrap}/{topic}" + (f"?group={group}" if group else "")
+        return f"kafka://{self.bootstrap}/{topic}" + (f"?group={self.group(group, topic)}" if group else "")
 
     def produce(self, topic: str, values: list[bytes], partitions: list[int] | None = None) -> None:
         """Produce `values` in order (to `partitions[i]`, default 0) and wait for the acks."""
@@ -62,9 +68,9 @@ class KafkaHelper:
         producer.close()
 
     def committed(self, group: str, topic: str, partitions: int) -> dict[str, int]:
-        """The group's committed offsets as {"topic/p": offset} (absent when none)."""
+        """The committed offsets of `url(topic, group)`'s group as {"topic/p": offset}."""
         from kafka import KafkaConsumer, TopicPartition
-        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, group_id=group,
+        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, group_id=self.group(group, topic),
                                  enable_auto_commit=False)
         try:
             out = {}

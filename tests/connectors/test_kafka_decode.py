@@ -128,3 +128,21 @@ def test_urls_and_options():
     assert start_timestamp_ms("2024-01-01T00:00:00") == 1704067200000
     assert KafkaOptions(start="yesterday").problem() .startswith("kafka.start")
     assert "sasl_mechanism" in KafkaOptions(sasl_mechanism="PLAIN").problem()
+
+
+def test_security_options_pass_through_and_the_password_comes_from_the_environment(monkeypatch):
+    from connectors.kafka_options import client_config
+    options = KafkaOptions(security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512",
+                           sasl_username="trainer", ssl_cafile="/etc/ca.pem",
+                           sasl_password_env="TEST_KAFKA_PW")
+    url = parse_kafka_url("kafka://b1:9093,b2:9093/clicks", options)
+    monkeypatch.delenv("TEST_KAFKA_PW", raising=False)
+    with pytest.raises(SourceError, match="TEST_KAFKA_PW"):
+        client_config(url)
+    monkeypatch.setenv("TEST_KAFKA_PW", "s3cret")
+    config = client_config(url)
+    assert config["bootstrap_servers"] == ["b1:9093", "b2:9093"]
+    assert (config["security_protocol"], config["sasl_mechanism"], config["sasl_plain_username"],
+            config["sasl_plain_password"], config["ssl_cafile"]) == \
+        ("SASL_SSL", "SCRAM-SHA-512", "trainer", "s3cret", "/etc/ca.pem")
+    assert "s3cret" not in repr(options)          # options go into checkpoints; secrets never do

@@ -1,9 +1,12 @@
 """Training from Kafka in-process: accuracy vs the file source, dead letters, packed resume, errors."""
 import gzip
+import json
 
 import pytest
 
 from connectors.files import SAMPLE_PATHS
+from connectors.kafka_options import parse_kafka_url
+from connectors.kafka_sink import topic_partitions
 from connectors.replay import replay_file
 from stream_ctr.checkpoint import load_checkpoint
 from stream_ctr.cli import main
@@ -101,7 +104,21 @@ def test_user_errors_are_one_line(kafka, tmp_path, capsys):
         assert main(["train", *args, *run]) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("stream-ctr: error: ") and message in err[-1], (args, err)
+    dlq = "no-such-topic-abc.dead-letter"          # nothing was created for the typo
+    assert not topic_partitions(parse_kafka_url(kafka.url(dlq)), dlq)
     cfg = kafka_config(tmp_path, "criteo:sample")
     cfg.kafka.start = "soon"
     with pytest.raises(ConfigError, match="kafka.start"):
         validate(cfg)
+
+
+def test_bench_ingest_prints_both_clients_for_both_layouts(kafka, capsys):
+    assert main(["bench", "ingest", "--bootstrap", kafka.bootstrap, "--records", "3000",
+                 "--packed", "100", "--repeat", "1", "--json", "--quiet"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = result["rows"]
+    assert [(r["layout"], r["client"][:5]) for r in rows] == [
+        ("1 record/message", "kafka"), ("1 record/message", "Kafka"),
+        ("packed 100/message", "kafka"), ("packed 100/message", "Kafka")]
+    assert all(r["records"] == 3000 and r["records_per_s"] > 0 and r["mb_per_s"] > 0 for r in rows)
+    assert rows[1]["ratio_b_a"] > 0 and result["crc32c"] is True
