@@ -81,7 +81,9 @@ class TimeSeriesLog:
             hit_ratio[tier] = hits / lookups if lookups > 0 else None
             rows[tier] = s.get("rows")
         self.append({"kind": "interval", "t": now, "records": self.records_before + snap["records"],
-                     "samples_per_s": (snap["records"] - self._last_records) / dt,
+                     # a stub interval (the run's last, cut short) gives no honest rate
+                     "samples_per_s": (snap["records"] - self._last_records) / dt
+                     if dt >= 0.5 * self.every_s else None,
                      "auc": snap.get("auc"), "logloss": snap.get("logloss"),
                      "calibration": snap.get("calibration"), "lag_records": snap.get("lag_records"),
                      "freshness_s": snap.get("freshness_s"), "hit_ratio": hit_ratio, "rows": rows,
