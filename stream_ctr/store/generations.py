@@ -16,7 +16,7 @@ from stream_ctr.store.errors import StoreError
 from stream_ctr.store.layout import decode_keys, encode_keys, items
 from stream_ctr.store.lmdb_tier import LmdbTier, WriteBatch
 
-_CHUNK = 65536
+_CHUNK = 65536             # undo entries read and applied (sorted) at a time
 
 
 def commit_checkpoint(tier: LmdbTier, batch: WriteBatch) -> tuple[int, str]:
