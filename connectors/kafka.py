@@ -13,7 +13,10 @@ streaming trainer needs:
 
 Offsets and what survives a crash.  Auto-commit is off.  On assignment a
 partition is positioned (in this order) at: the checkpoint's position (the
-first assignment after start only), the position this process last trained to
+first assignment after start only; unless the group's offset is further and was
+committed by this same run, ``run_id``, i.e. by another rank of the same
+distributed job that trained it before a rebalance moved it here), the
+position this process last trained to
 before a rebalance took the partition away (or the group's committed offset
 if that is further), the group's committed offset, else `options.start`.
 After a crash the trainer restarts from its checkpoint and re-reads exactly
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -107,8 +111,13 @@ class KafkaSource:
     """Decoded chunks of Kafka topics read in a consumer group; see the module doc."""
 
     def __init__(self, url: KafkaUrl, positions: Positions | None = None,
-                 on_revoke: RevokeHook | None = None, chunk_records: int = 65536) -> None:
+                 on_revoke: RevokeHook | None = None, chunk_records: int = 65536,
+                 run_id: str | None = None) -> None:
         self.url, self.options = url, url.options
+        # Written into every group commit: a group offset committed by this same run (a
+        # peer rank of a distributed job handing a partition over) is past the checkpoint
+        # legitimately, one committed by an earlier run is not (see `_choose_position`).
+        self.run_id = run_id or secrets.token_hex(8)
         self.fmt = url.options.record_format
         self.chunk_records = chunk_records
         self.stats = KafkaStats()
@@ -387,8 +396,11 @@ class KafkaSource:
             return
         for name in names:
             c = committed[name]
-            group = (c.offset, parse_commit_metadata(c.metadata)) if c is not None and c.offset >= 0 else None
-            position = self._choose_position(name, group, starts.get(name))
+            group, group_run = None, ""
+            if c is not None and c.offset >= 0:
+                rows_done, group_run = parse_commit_metadata(c.metadata)
+                group = (c.offset, rows_done)
+            position = self._choose_position(name, group, starts.get(name), group_run == self.run_id)
             self._book.own(name, position)
             self._consumer.seek(_tp(name), position[0])
         self._initial = {}
@@ -397,8 +409,13 @@ class KafkaSource:
             self._consumer.resume(*[_tp(n) for n in names])
         self._idle_since = time.monotonic()
 
-    def _choose_position(self, name: str, group: Position | None, start: Position | None) -> Position:
-        if name in self._initial:
+    def _choose_position(self, name: str, group: Position | None, start: Position | None,
+                         group_is_this_run: bool = False) -> Position:
+        if name in self._initial and group is not None and group > self._initial[name] and group_is_this_run:
+            # Another member of this run (a rank of the same job) trained past the
+            # checkpoint before handing the partition over: continue after it.
+            position, how = group, "group offset of this run"
+        elif name in self._initial:
             position = self._initial[name]
             if group is not None and group > position:
                 log.warning("kafka: %s: the group's committed offset %d is past this checkpoint's "
@@ -429,6 +446,6 @@ class KafkaSource:
 
     def _offsets(self, positions: dict[str, Position], owned_only: bool = True) -> dict:
         from kafka.structs import OffsetAndMetadata
-        return {_tp(n): OffsetAndMetadata(off, commit_metadata(done), -1)
+        return {_tp(n): OffsetAndMetadata(off, commit_metadata(done, self.run_id), -1)
                 for n, (off, done) in positions.items() if not owned_only or n in self._book.trained}
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +118,10 @@ class DistributedRun(Run):
         self.ckpt_root = root
         self.global_step = job.manifest["global_step"] if job else 0
         self.job_seq = _broadcast_int(jobs.last_seq(root) if ctx.is_main else 0)
+        # One id for every rank of this invocation, in their group commits: a rank that
+        # gets a partition another rank trained past the checkpoint continues after it.
+        run_id = _broadcast_int(secrets.randbits(62) if ctx.is_main else 0, "the run id")
+        self.run_id = f"{run_id:016x}"
         if cfg.data.limit_records:       # this rank's share of the records to train
             w, r = ctx.world_size, ctx.rank
             self.remaining = cfg.data.limit_records // w + (r < cfg.data.limit_records % w)
@@ -140,7 +145,7 @@ class DistributedRun(Run):
         if self.stream is not None and self.source is None:
             from connectors.kafka import KafkaSource
             self.source = KafkaSource(self.stream, positions=self.positions, on_revoke=self._on_revoke,
-                                      chunk_records=self.cfg.data.chunk_records)
+                                      chunk_records=self.cfg.data.chunk_records, run_id=self.run_id)
         source = super().open_source()
         if isinstance(source, FileSource) and self.ctx.world_size > 1:
             source = StripedSource(source, self.ctx.rank, self.ctx.world_size)
@@ -278,7 +283,7 @@ class DistributedRun(Run):
             dist.barrier()
         self.summary.checkpoint = str(job_dir)
         self.checkpoint_wanted = False
-        if commit and self.stream is not None:
+        if commit and self.source is not None:      # None: this rank has not joined yet
             self.source.commit(self.positions)
 
     def finish(self, seconds: float) -> RunSummary:
@@ -320,9 +325,9 @@ def _combine(s: DistributedSummary, everyone: list[dict], run: DistributedRun) -
     return out
 
 
-def _broadcast_int(value: int) -> int:
+def _broadcast_int(value: int, what: str = "the checkpoint sequence") -> int:
     box = [value]
-    with collective("agreeing on the checkpoint sequence"):
+    with collective(f"agreeing on {what}"):
         dist.broadcast_object_list(box, src=0)
     return int(box[0])
 
