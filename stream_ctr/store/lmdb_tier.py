@@ -31,6 +31,9 @@ tells generations of an abandoned timeline apart from the current ones.
 **I/O.** Reads are one `getmulti` per batch over sorted keys; writes one
 `putmulti` of sorted keys per transaction (at most `chunk_rows` rows, which
 bounds LMDB's dirty-page memory); undo entries are appended in sequence order.
+The pages of the memory map that reads touched are unmapped from the process
+whenever they pass `mapped_bytes` (`mapped_pages.py`), so RSS stays bounded
+on tables far larger than RAM.
 The map starts small and doubles when full, up to `cap_bytes`, then raises
 StoreError. Commits fsync (LMDB's default), so a power loss also leaves the
 last checkpoint intact. Not thread-safe: one thread at a time.
@@ -49,6 +52,7 @@ import numpy as np
 
 from stream_ctr.store.errors import StoreError
 from stream_ctr.store.layout import RowLayout, decode_keys, encode_keys, items
+from stream_ctr.store.mapped_pages import MappedPages
 
 MAX_DBS = 256
 _UNDO = b"undo."
@@ -98,7 +102,7 @@ class WriteBatch:
 class LmdbTier:
     def __init__(self, path: str | Path, layout: RowLayout, cap_bytes: int, keep: int,
                  read_only: bool = False, chunk_rows: int = 65536,
-                 initial_map_bytes: int = 64 << 20) -> None:
+                 initial_map_bytes: int = 64 << 20, mapped_bytes: int = 256 << 20) -> None:
         self.path, self.layout, self.cap_bytes = Path(path), layout, cap_bytes
         self.keep, self.read_only, self.chunk_rows = max(1, keep), read_only, chunk_rows
         if read_only and not (self.path / "data.mdb").exists():
@@ -128,6 +132,7 @@ class LmdbTier:
         self.undo_from = int(self._meta(b"undo_from"))
         self._seq = self._next_seq(self.generation + 1)
         self.view = None        # a generations.GenerationView when reading an old checkpoint
+        self.mapped = MappedPages(self.path / "data.mdb", mapped_bytes)
 
     # ---- metadata -----------------------------------------------------------------
     def _meta(self, key: bytes) -> str | None:
@@ -183,8 +188,15 @@ class LmdbTier:
             return found, np.zeros((0, self.layout.row_bytes), np.uint8)
         if self.view is not None:
             return self.view.get(keys)
+        parts = []
         with self.env.begin(db=self.rows_db) as txn:
-            fk, rows = self._getmulti(txn, keys)
+            # In chunks: a random read maps about a page per key, and the map's resident
+            # pages are trimmed between chunks (mapped_bytes + one chunk at most).
+            for lo in range(0, len(keys), self.chunk_rows):
+                parts.append(self._getmulti(txn, keys[lo:lo + self.chunk_rows]))
+                self.mapped.trim_if_over()
+        fk = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
+        rows = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts])
         found[np.searchsorted(keys, fk)] = True
         return found, rows
 
@@ -214,6 +226,7 @@ class LmdbTier:
             nxt = int(decode_keys(cur.key())[0]) if more else 0
         k = decode_keys(b"".join(keys))
         rows = np.frombuffer(bytearray().join(vals), np.uint8).reshape(len(k), self.layout.row_bytes)
+        self.mapped.trim_if_over()
         return k, rows, nxt
 
     # ---- writes --------------------------------------------------------------------
@@ -257,6 +270,7 @@ class LmdbTier:
             part = _slice(batch, lo, lo + self.chunk_rows)
             if len(part):
                 self._retry(lambda: self._commit(part))
+                self.mapped.trim_if_over()
 
     def _commit(self, batch: WriteBatch, extra=None) -> None:
         seq = self._seq
@@ -322,6 +336,7 @@ class LmdbTier:
                     append=True)
         for lo in range(0, len(keys), 4 * self.chunk_rows):
             self._retry(lambda: put(lo))
+            self.mapped.trim_if_over()
 
     def close(self) -> None:
         if self.view is not None:

@@ -84,7 +84,8 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self._disk_bytes = self.disk.file_bytes() if self.disk else 0
 
     def _open_disk(self, path: str) -> LmdbTier:
-        return LmdbTier(path, self.layout, self.plan.disk_bytes, self._keep, self.read_only)
+        return LmdbTier(path, self.layout, self.plan.disk_bytes, self._keep, self.read_only,
+                        mapped_bytes=self.cfg.mapped_bytes)
 
     @property
     def weight(self) -> torch.Tensor:                       # type: ignore[override]

@@ -100,3 +100,37 @@ def test_store_of_another_dimension_is_refused(tmp_path):
     LmdbTier(tmp_path, LAYOUT, 64 << 20, keep=3).close()
     with pytest.raises(StoreError, match="embed_dim"):
         LmdbTier(tmp_path, RowLayout(16), 64 << 20, keep=3)
+
+
+def mapped_rss_bytes(data_file) -> int:
+    """Resident bytes of this process's mappings of `data_file` (/proc/self/smaps)."""
+    target, total, inside = str(data_file.resolve()), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0] and not line.startswith(("Rss", "Pss")):
+                inside = line.rstrip("\n").endswith(target)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux /proc only")
+def test_reads_keep_the_mapped_lmdb_pages_within_their_budget(tmp_path):
+    keys = np.arange(1, 60001, dtype=np.int64)
+    unlimited = LmdbTier(tmp_path / "a", LAYOUT, 256 << 20, keep=3, chunk_rows=4096, mapped_bytes=0)
+    put(unlimited, keys, 7, ABSENT)                      # ~12 MB of rows
+    found, rows = unlimited.get(keys)
+    assert found.all() and (rows[:, 0] == 7).all()
+    assert mapped_rss_bytes(tmp_path / "a" / "data.mdb") > 8 << 20 and unlimited.mapped.trims == 0
+    unlimited.close()
+
+    budget = 1 << 20
+    tier = LmdbTier(tmp_path / "a", LAYOUT, 256 << 20, keep=3, chunk_rows=1024, mapped_bytes=budget)
+    found, rows = tier.get(keys)
+    assert found.all() and (rows[:, 0] == 7).all()      # unmapping never changes what is read
+    assert tier.mapped.trims > 0
+    # at most the budget plus the pages of one chunk of reads (1024 keys, a page each at most)
+    assert mapped_rss_bytes(tmp_path / "a" / "data.mdb") <= budget + 1024 * 4096
+    put(tier, keys[::2], 9, NONE)                        # writes keep working after a trim
+    assert table(tier)[1] == 9 and table(tier)[2] == 7
+    tier.close()
