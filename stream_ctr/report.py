@@ -150,23 +150,19 @@ def plot_all(series: list[RankSeries], out: Path) -> list[Path]:
     a2.set_xlabel("records trained")
     save(fig, "auc_logloss.png")
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.set_title("Throughput: records trained per second")
-    if not _line(ax, series, "time", "samples_per_s", "records/s"):
-        _axes_note(ax, "no throughput samples")
-    ax.set_xlabel("minutes since the run started")
-    ax.set_ylabel("records / s")
-    ax.set_ylim(bottom=0)
-    save(fig, "throughput.png")
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.set_title("Consumer lag: records not yet trained")
-    if not _line(ax, series, "time", "lag_records", "lag"):
-        _axes_note(ax, "no lag reported by the source")
-    ax.set_xlabel("minutes since the run started")
-    ax.set_ylabel("records")
-    ax.set_ylim(bottom=0)
-    save(fig, "lag.png")
+    for name, title, column, unit, empty in (
+            ("throughput.png", "Throughput: records trained per second", "samples_per_s", "records / s",
+             "no throughput samples"),
+            ("lag.png", "Consumer lag: records not yet trained", "lag_records", "records",
+             "no lag reported by the source")):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.set_title(title)
+        if not _line(ax, series, "time", column, unit):
+            _axes_note(ax, empty)
+        ax.set_xlabel("minutes since the run started")
+        ax.set_ylabel(unit)
+        ax.set_ylim(bottom=0)
+        save(fig, name)
 
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.set_title("Embedding hit ratio per tier")
