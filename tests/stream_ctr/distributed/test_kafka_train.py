@@ -96,7 +96,8 @@ def test_two_ranks_train_a_topic_exactly_once_with_the_accuracy_of_one_replica(k
     topic = kafka.topic(partitions=PARTITIONS)
     replay_file("criteo:sample", kafka.url(topic), limit=TRAIN_RECORDS)
     cfg = kafka_job_config(tmp_path / "job", kafka.url(topic, "dist"))
-    results = values(run_ranks(kafka_rank, 2, cfg, timeout_s=240))
+    # rank 1 joins the group late: rank 0 hands half of the partitions over mid-stream
+    results = values(run_ranks(kafka_rank, 2, cfg, None, None, 6.0, timeout_s=240))
     trained = [r["trained"] for r in results]
     assert_exactly_once(trained[0] + trained[1], all_records(topic))
     assert trained[0] and trained[1]                       # the group split the partitions
