@@ -323,9 +323,9 @@ def _disk_candidates(store, keys) -> np.ndarray:
 
 def _raw_read(store, keys: np.ndarray, acc: dict) -> None:
     from stream_ctr.store.layout import encode_keys
-    from stream_ctr.store.lmdb_tier import gc_paused      # as the store does: a fair comparison
+    from stream_ctr.store.lmdb_tier import MAP_TRIM_KEYS, gc_paused   # as the store does: a fair comparison
     t0 = time.perf_counter()
-    chunk = store.disk.chunk_rows
+    chunk = MAP_TRIM_KEYS
     with store.disk.env.begin(db=store.disk.rows_db) as txn, gc_paused():
         for lo in range(0, len(keys), chunk):    # in chunks, unmapping pages, as the store does
             res = txn.cursor().getmulti(encode_keys(keys[lo:lo + chunk]))
@@ -339,7 +339,7 @@ def _raw_write(store, batch, acc: dict) -> None:
     """Put the batch's rows, with the very bytes the store writes (so the content ends the
     same whichever goes first), in transactions of the store's size; no reads."""
     from stream_ctr.store.layout import items
-    from stream_ctr.store.lmdb_tier import gc_paused
+    from stream_ctr.store.lmdb_tier import MAP_TRIM_KEYS, gc_paused
     disk, chunk = store.disk, store.disk.chunk_rows
     keys = np.asarray(batch.put_keys)
     t0 = time.perf_counter()
@@ -347,7 +347,10 @@ def _raw_write(store, batch, acc: dict) -> None:
         rows = np.array(batch.put_rows[lo:lo + chunk], copy=True)
         rows[:, disk.layout.meta_off + 24:].view(np.int64)[:, 0] = disk.open_generation
         with disk.env.begin(write=True, db=disk.rows_db) as txn, gc_paused():
-            txn.cursor().putmulti(items(keys[lo:lo + chunk], rows))
+            cur = txn.cursor()
+            for at in range(0, len(rows), MAP_TRIM_KEYS):     # unmapping pages, as the store does
+                cur.putmulti(items(keys[lo + at:lo + at + MAP_TRIM_KEYS], rows[at:at + MAP_TRIM_KEYS]))
+                disk.mapped.trim_if_over()
     for lo in range(0, len(keys), chunk):
         disk._retry(lambda: put(lo))          # grows the map like the store (rarely)
         disk.mapped.trim_if_over()

@@ -13,7 +13,7 @@ import lmdb
 import numpy as np
 
 from stream_ctr.store.errors import StoreError
-from stream_ctr.store.layout import decode_keys, encode_keys, items
+from stream_ctr.store.layout import decode_keys, encode_keys
 from stream_ctr.store.lmdb_tier import LmdbTier, WriteBatch
 
 _CHUNK = 65536             # undo entries read and applied (sorted) at a time
@@ -110,7 +110,7 @@ def _apply_old_values(tier: LmdbTier, txn: lmdb.Transaction, vals: list[bytes]) 
     if present.any():
         idx = last[present]
         rows = np.frombuffer(b"".join(bytes(vals[i][8:]) for i in idx), np.uint8).reshape(len(idx), -1)
-        txn.cursor(db=tier.rows_db).putmulti(items(uniq[present], rows))
+        tier.putmulti(txn, uniq[present], rows)
     for k in encode_keys(uniq[~present]):
         txn.delete(k, db=tier.rows_db)
 
