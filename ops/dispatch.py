@@ -12,6 +12,12 @@ one to run:
   built at its import). Importing `ops` does not import triton, kernels are
   built on first use; tests set the variable in `tests/ops/conftest.py`.
 
+`STREAM_CTR_FORCE_REFERENCE=1` (or the `force_reference()` context manager,
+which sets it for a block) runs the torch references everywhere, CUDA
+included, and wins over `STREAM_CTR_FORCE_TRITON`: `stream-ctr bench step`
+uses it to time both paths in one process, and it is a switch to rule a
+kernel out when hunting a numerical bug.
+
 `kernel_path` names the path for benchmark tables and logs. Both functions
 only read the tensor's device and the environment: no host-device sync.
 """
@@ -20,11 +26,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 
 import torch
 
 FORCE_TRITON_ENV = "STREAM_CTR_FORCE_TRITON"
+FORCE_REFERENCE_ENV = "STREAM_CTR_FORCE_REFERENCE"
 INTERPRET_ENV = "TRITON_INTERPRET"
 
 PATH_TRITON = "triton"
@@ -43,6 +52,31 @@ def triton_forced() -> bool:
     return os.environ.get(FORCE_TRITON_ENV) == "1"
 
 
+def reference_forced() -> bool:
+    """True when `STREAM_CTR_FORCE_REFERENCE=1`: run the torch references, even on CUDA."""
+    return os.environ.get(FORCE_REFERENCE_ENV) == "1"
+
+
+@contextmanager
+def force_reference() -> Iterator[None]:
+    """Run every op on its torch reference inside the block (CUDA included).
+
+    Sets `STREAM_CTR_FORCE_REFERENCE=1` for the block and restores the previous
+    value after it. The choice is made when an op is called (a gather's
+    backward follows its forward), so a whole training step run inside the
+    block takes the reference path. Process-wide, not thread-local.
+    """
+    previous = os.environ.get(FORCE_REFERENCE_ENV)
+    os.environ[FORCE_REFERENCE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(FORCE_REFERENCE_ENV, None)
+        else:
+            os.environ[FORCE_REFERENCE_ENV] = previous
+
+
 def triton_interpreting() -> bool:
     """True when `TRITON_INTERPRET=1`: Triton kernels built from now on run on the CPU."""
     return os.environ.get(INTERPRET_ENV) == "1"
@@ -52,10 +86,13 @@ def use_triton(t: torch.Tensor) -> bool:
     """Whether an op on `t` should run its Triton kernel.
 
     True for a CUDA tensor (when triton is installed), or for any tensor when
-    `STREAM_CTR_FORCE_TRITON=1`. Forcing Triton on a CPU tensor without
-    `TRITON_INTERPRET=1` is a configuration error and raises, rather than
-    failing later inside the kernel launch.
+    `STREAM_CTR_FORCE_TRITON=1`; always False when `STREAM_CTR_FORCE_REFERENCE=1`.
+    Forcing Triton on a CPU tensor without `TRITON_INTERPRET=1` is a
+    configuration error and raises, rather than failing later inside the
+    kernel launch.
     """
+    if reference_forced():
+        return False
     if t.is_cuda:
         return triton_available()
     if not triton_forced():

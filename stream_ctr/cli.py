@@ -1,4 +1,5 @@
-"""`stream-ctr`: train, evaluate, generate synthetic data, benchmark.
+"""`stream-ctr`: train, evaluate, generate synthetic data, benchmark
+(`bench train | ingest | store | merge | kernels | step`).
 
 Every command ends with a one-line human summary on stdout; with `--json` that
 line is a JSON object instead (the last line of stdout). Errors a user can
@@ -31,6 +32,8 @@ EPILOG = """examples:
   stream-ctr bench ingest                           # Kafka consume + decode throughput
   torchrun --nproc-per-node=4 -m stream_ctr train --merge-every 16   # 4 replicas, sharded rows
   stream-ctr bench merge                            # k-step merge: bytes, ms/step, AUC per k
+  stream-ctr bench kernels --dims 10,16,64,128      # ops/ kernels: GB/s vs a device copy
+  stream-ctr bench step                             # DeepFM steps/s, torch reference vs Triton
 
 options can also come from a TOML file (--config, or $STREAM_CTR_CONFIG) and from
 --set section.name=value (sections: data, model, optim, train, metrics, kafka,
@@ -149,6 +152,10 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     add_bench_store_parser(bsub, _add_common, _byte_size)
     from stream_ctr.bench_merge import add_bench_merge_parser
     add_bench_merge_parser(bsub, _add_common)
+    from stream_ctr.bench_kernels import add_bench_kernels_parser
+    add_bench_kernels_parser(bsub, _add_common)
+    from stream_ctr.bench_step import add_bench_step_parser
+    add_bench_step_parser(bsub, _add_common)
 
 
 def _report_parser(sub: argparse._SubParsersAction) -> None:

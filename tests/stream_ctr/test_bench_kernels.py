@@ -1,0 +1,130 @@
+"""`stream-ctr bench kernels` and `bench step` through the CLI entry, at tiny sizes.
+
+Structure and sanity of the numbers only (finite, positive, consistent with
+each other, bytes that match the shapes): no timing assertions, the machines
+that run the tests are noisy. On a CUDA machine the Triton columns are
+checked too; elsewhere they must say why they are missing.
+"""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from ops import dispatch
+from stream_ctr.cli import main
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+KERNELS = ["cowclip_adam", "gather_forward", "gather_backward_segment_sum", "gather_backward_atomic"]
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main(list(args) + ["--device", DEVICE, "--json", "--quiet"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    return json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the JSON summary"))
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_kernels_json(capsys):
+    rows, dims, batch, fields = 500, [4, 16], 32, 39
+    out = run_json(capsys, "bench", "kernels", "--rows", str(rows), "--dims", "4,16",
+                   "--batch-size", str(batch), "--fields", str(fields), "--repeat", "2", "--warmup", "1")
+    assert out["bench"] == "kernels" and out["device"].startswith(DEVICE)
+    assert [(r["kernel"], r["dim"]) for r in out["rows"]] == [(k, d) for d in dims for k in KERNELS]
+    slots = batch * fields
+    for r in out["rows"]:
+        d = r["dim"]
+        fp32, int64 = 4, 8
+        if r["kernel"] == "cowclip_adam":
+            # reads w, m, v, grad + row ids + counts; writes w, m, v
+            expected = 4 * rows * d * fp32 + 2 * rows * int64 + 3 * rows * d * fp32
+            assert r["slots"] is None
+        else:
+            # forward: inverse + each unique row in, slots rows out;
+            # backward: inverse + slot gradients in, unique row sums out
+            expected = slots * int64 + slots * d * fp32 + rows * d * fp32
+            assert r["slots"] == slots
+        assert r["rows"] == rows and r["bytes"] == expected
+        assert positive(r["copy_bytes_per_s"])
+        paths = ["reference", "triton"] if ON_CUDA else ["reference"]
+        for p in paths:
+            assert positive(r[f"{p}_seconds_per_call"])
+            assert r[f"{p}_bytes_per_s"] == pytest.approx(r["bytes"] / r[f"{p}_seconds_per_call"])
+            assert r[f"{p}_vs_copy"] == pytest.approx(r[f"{p}_bytes_per_s"] / r["copy_bytes_per_s"])
+        assert r["reference_path"] == dispatch.PATH_REFERENCE
+        if ON_CUDA:
+            assert r["triton_path"] == dispatch.PATH_TRITON
+        else:
+            assert r["triton_path"] == "n/a (no CUDA)"
+            assert r["triton_seconds_per_call"] is None and r["triton_vs_copy"] is None
+
+
+def test_bench_kernels_table(capsys):
+    assert main(["bench", "kernels", "--rows", "100", "--dims", "8", "--batch-size", "8",
+                 "--fields", "13", "--repeat", "1", "--warmup", "0", "--device", DEVICE, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "copy GB/s" in out and "triton/copy" in out
+    for kernel in KERNELS:
+        assert kernel in out
+    assert ("n/a (no CUDA)" in out) != ON_CUDA
+    assert out.strip().splitlines()[-1].startswith(f"bench kernels: 4 kernels measured on {DEVICE}")
+
+
+def test_bench_kernels_too_few_slots_is_a_user_error(capsys):
+    assert main(["bench", "kernels", "--rows", "1000", "--batch-size", "2", "--fields", "3",
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("stream-ctr: error:") and "--rows" in err[0]
+
+
+@pytest.fixture
+def torch_global_state():
+    """`bench step` configures torch as `train` does (denormals flushed, deterministic
+    algorithms, threads), process-wide; put it back for the tests that follow (e.g.
+    hypothesis refuses to draw floats while subnormals are flushed)."""
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.set_flush_denormal(False)
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.set_num_threads(threads)
+
+
+def test_bench_step_json(capsys, torch_global_state):
+    sizes, steps = [32, 64], 2
+    out = run_json(capsys, "bench", "step", "--batch-sizes", "32,64", "--steps", str(steps))
+    assert out["bench"] == "step"
+    paths = [dispatch.PATH_REFERENCE, dispatch.PATH_TRITON] if ON_CUDA else [dispatch.PATH_REFERENCE]
+    assert [(r["batch_size"], r["path"]) for r in out["rows"]] == [(b, p) for b in sizes for p in paths]
+    for r in out["rows"]:
+        assert r["model"] == "deepfm" and r["steps"] == steps and r["skipped_steps"] == 0
+        assert positive(r["seconds"]) and positive(r["samples_per_s"]) and positive(r["seconds_per_step"])
+        assert r["samples_per_s"] == pytest.approx(r["batch_size"] * steps / r["seconds"])
+        assert r["seconds_per_step"] == pytest.approx(r["seconds"] / steps)
+        # 39 Criteo keys per record: at least one unique row, at most one per key
+        assert 1 <= r["unique_rows_per_step"] <= r["batch_size"] * 39
+        assert positive(r["speedup_vs_reference"])
+        assert r["triton_skipped"] == (None if ON_CUDA else "no CUDA")
+
+
+def test_force_reference_switch(monkeypatch):
+    """`force_reference()` wins over the Triton default (CUDA) or a forced Triton (CPU
+    interpreter), and restores the variable as it was."""
+    monkeypatch.setenv(dispatch.FORCE_REFERENCE_ENV, "0")
+    t = torch.zeros(1, device=DEVICE)
+    if not ON_CUDA:
+        monkeypatch.setenv(dispatch.FORCE_TRITON_ENV, "1")
+        monkeypatch.setenv(dispatch.INTERPRET_ENV, "1")
+    triton_path = dispatch.kernel_path(t)
+    assert triton_path != dispatch.PATH_REFERENCE
+    with dispatch.force_reference():
+        assert not dispatch.use_triton(t)
+        assert dispatch.kernel_path(t) == dispatch.PATH_REFERENCE
+    assert dispatch.kernel_path(t) == triton_path
+    assert os.environ[dispatch.FORCE_REFERENCE_ENV] == "0"
