@@ -283,7 +283,7 @@ class DistributedRun(Run):
             dist.barrier()
         self.summary.checkpoint = str(job_dir)
         self.checkpoint_wanted = False
-        if commit and self.source is not None:      # None: this rank has not joined yet
+        if commit and self.stream is not None and self.source is not None:   # None: not joined yet
             self.source.commit(self.positions)
 
     def finish(self, seconds: float) -> RunSummary:
