@@ -13,14 +13,20 @@ streaming trainer needs:
 
 Offsets and what survives a crash.  Auto-commit is off.  On assignment a
 partition is positioned (in this order) at: the checkpoint's position (the
-first assignment after start only; unless the group's offset is further and was
-committed by this same run, ``run_id``, i.e. by another rank of the same
-distributed job that trained it before a rebalance moved it here), the
-position this process last trained to
+first assignment after start only), the position this process last trained to
 before a rebalance took the partition away (or the group's committed offset
 if that is further), the group's committed offset, else `options.start`.
 After a crash the trainer restarts from its checkpoint and re-reads exactly
 the records after it.
+
+Ranks of a distributed job (``wait_for_peers``).  The ranks share one model,
+so a partition that moves between them must continue where the previous rank
+left it, whatever the group offset says (the revocation commit may have
+failed; on a resume the checkpoint is older than what a peer trained since;
+some brokers, tansu among them, drop commit metadata).  A rank's newly
+assigned partitions stay paused (`peers_wanted`) until the job's next step
+exchanges every rank's `handover_positions` (`give_peer_positions`): each
+starts no earlier than the furthest position any rank of this run reached.
 
 Rebalances (exactly-once hand-over).  kafka-python calls the listener on its
 IO thread while the trainer's thread is blocked inside ``read()`` (poll), so
@@ -63,7 +69,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -112,12 +117,14 @@ class KafkaSource:
 
     def __init__(self, url: KafkaUrl, positions: Positions | None = None,
                  on_revoke: RevokeHook | None = None, chunk_records: int = 65536,
-                 run_id: str | None = None) -> None:
+                 wait_for_peers: bool = False) -> None:
         self.url, self.options = url, url.options
-        # Written into every group commit: a group offset committed by this same run (a
-        # peer rank of a distributed job handing a partition over) is past the checkpoint
-        # legitimately, one committed by an earlier run is not (see `_choose_position`).
-        self.run_id = run_id or secrets.token_hex(8)
+        # A rank of a distributed job positions a newly assigned partition only once the
+        # job has told it where the other ranks left it (`give_peer_positions`).
+        self._wait_for_peers = wait_for_peers
+        self._peer: dict[str, Position] = {}
+        self._assignments = 0           # non-empty assignments so far
+        self._peers_at = 0              # ... when the peers' positions were last given
         self.fmt = url.options.record_format
         self.chunk_records = chunk_records
         self.stats = KafkaStats()
@@ -177,6 +184,29 @@ class KafkaSource:
         self._book.advance(self._book.trained, batch)
         self._book.forget_trained_messages()
         return self._book.checkpoint_positions()
+
+    @property
+    def peers_wanted(self) -> bool:
+        """A distributed rank's source holds newly assigned partitions paused until
+        `give_peer_positions` (the job's next step exchanges them)."""
+        return self._wait_for_peers and bool(self._unpositioned) and self._peers_at < self._assignments
+
+    def handover_positions(self) -> Positions:
+        """Where this source left the partitions it gave up in this run (for the job's
+        exchange: their next owner may be another rank)."""
+        return to_positions(self._book.released)
+
+    def give_peer_positions(self, every_rank: list[Positions]) -> None:
+        """Every rank's `handover_positions`: a partition assigned here starts no
+        earlier than where any rank of this run left it, even if that rank's commit on
+        revocation failed (or, on a resume, the checkpoint is older). Positions the
+        paused partitions (blocking calls: call it on the caller's thread)."""
+        for positions in every_rank:
+            for name, position in from_positions(positions).items():
+                self._peer[name] = max(self._peer.get(name, position), position)
+        self._peers_at = self._assignments
+        if self._unpositioned:
+            self._position_new_partitions()
 
     @property
     def trained_positions(self) -> Positions:
@@ -376,6 +406,7 @@ class KafkaSource:
         names = {partition_name(tp.topic, tp.partition) for tp in tps}
         self._unpositioned |= names - set(self._book.owned())
         if tps:
+            self._assignments += 1
             self._consumer.pause(*tps)      # nothing is fetched before it is positioned
             log.info("kafka: assigned %s", ", ".join(sorted(names)))
         else:
@@ -386,6 +417,8 @@ class KafkaSource:
     def _position_new_partitions(self) -> None:
         """Seek newly assigned partitions (on the caller's thread: blocking calls are allowed)."""
         from kafka.errors import KafkaError
+        if self.peers_wanted:               # paused until the job's next exchange
+            return
         names = sorted(self._unpositioned)
         try:
             committed = {n: self._consumer.committed(_tp(n), metadata=True) for n in names}
@@ -396,11 +429,8 @@ class KafkaSource:
             return
         for name in names:
             c = committed[name]
-            group, group_run = None, ""
-            if c is not None and c.offset >= 0:
-                rows_done, group_run = parse_commit_metadata(c.metadata)
-                group = (c.offset, rows_done)
-            position = self._choose_position(name, group, starts.get(name), group_run == self.run_id)
+            group = (c.offset, parse_commit_metadata(c.metadata)) if c is not None and c.offset >= 0 else None
+            position = self._choose_position(name, group, starts.get(name))
             self._book.own(name, position)
             self._consumer.seek(_tp(name), position[0])
         self._initial = {}
@@ -409,13 +439,8 @@ class KafkaSource:
             self._consumer.resume(*[_tp(n) for n in names])
         self._idle_since = time.monotonic()
 
-    def _choose_position(self, name: str, group: Position | None, start: Position | None,
-                         group_is_this_run: bool = False) -> Position:
-        if name in self._initial and group is not None and group > self._initial[name] and group_is_this_run:
-            # Another member of this run (a rank of the same job) trained past the
-            # checkpoint before handing the partition over: continue after it.
-            position, how = group, "group offset of this run"
-        elif name in self._initial:
+    def _choose_position(self, name: str, group: Position | None, start: Position | None) -> Position:
+        if name in self._initial:
             position = self._initial[name]
             if group is not None and group > position:
                 log.warning("kafka: %s: the group's committed offset %d is past this checkpoint's "
@@ -428,6 +453,9 @@ class KafkaSource:
             position, how = group, "group offset"
         else:
             position, how = start or (0, 0), f"start={self.options.start}"
+        peer = self._peer.get(name)
+        if peer is not None and peer > position:
+            position, how = peer, "where another rank of this job left it"
         log.info("kafka: %s starts at offset %d (%s)", name, position[0], how)
         return position
 
@@ -446,6 +474,6 @@ class KafkaSource:
 
     def _offsets(self, positions: dict[str, Position], owned_only: bool = True) -> dict:
         from kafka.structs import OffsetAndMetadata
-        return {_tp(n): OffsetAndMetadata(off, commit_metadata(done, self.run_id), -1)
+        return {_tp(n): OffsetAndMetadata(off, commit_metadata(done), -1)
                 for n, (off, done) in positions.items() if not owned_only or n in self._book.trained}
 

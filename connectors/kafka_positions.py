@@ -44,26 +44,17 @@ def from_positions(positions: Positions) -> dict[str, Position]:
     return out
 
 
-def commit_metadata(rows_done: int, run_id: str = "") -> str:
-    """The group commit's metadata: ``rows_done=N`` (a split packed message) and
-    ``run=ID`` (which training run committed it; see `KafkaSource`'s run_id)."""
-    parts = ([f"rows_done={rows_done}"] if rows_done else []) + ([f"run={run_id}"] if run_id else [])
-    return ";".join(parts)
+def commit_metadata(rows_done: int) -> str:
+    return f"rows_done={rows_done}" if rows_done else ""
 
 
-def parse_commit_metadata(metadata: str | None) -> tuple[int, str]:
-    """(rows_done, run id) of a commit's metadata; (0, "") for anything else."""
-    rows_done, run_id = 0, ""
-    for part in (metadata or "").split(";"):
-        name, _, value = part.partition("=")
-        if name == "rows_done":
-            try:
-                rows_done = max(0, int(value))
-            except ValueError:
-                rows_done = 0
-        elif name == "run":
-            run_id = value
-    return rows_done, run_id
+def parse_commit_metadata(metadata: str | None) -> int:
+    if metadata and metadata.startswith("rows_done="):
+        try:
+            return max(0, int(metadata.split("=", 1)[1]))
+        except ValueError:
+            return 0
+    return 0
 
 
 @dataclass

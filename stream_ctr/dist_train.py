@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,10 +117,6 @@ class DistributedRun(Run):
         self.ckpt_root = root
         self.global_step = job.manifest["global_step"] if job else 0
         self.job_seq = _broadcast_int(jobs.last_seq(root) if ctx.is_main else 0)
-        # One id for every rank of this invocation, in their group commits: a rank that
-        # gets a partition another rank trained past the checkpoint continues after it.
-        run_id = _broadcast_int(secrets.randbits(62) if ctx.is_main else 0, "the run id")
-        self.run_id = f"{run_id:016x}"
         if cfg.data.limit_records:       # this rank's share of the records to train
             w, r = ctx.world_size, ctx.rank
             self.remaining = cfg.data.limit_records // w + (r < cfg.data.limit_records % w)
@@ -145,7 +140,7 @@ class DistributedRun(Run):
         if self.stream is not None and self.source is None:
             from connectors.kafka import KafkaSource
             self.source = KafkaSource(self.stream, positions=self.positions, on_revoke=self._on_revoke,
-                                      chunk_records=self.cfg.data.chunk_records, run_id=self.run_id)
+                                      chunk_records=self.cfg.data.chunk_records, wait_for_peers=True)
         source = super().open_source()
         if isinstance(source, FileSource) and self.ctx.world_size > 1:
             source = StripedSource(source, self.ctx.rank, self.ctx.world_size)
@@ -237,6 +232,23 @@ class DistributedRun(Run):
         self.dead_letter.write(rejected)
         self._ready.extend(self.batcher.add(chunk))
 
+    @property
+    def positions_wanted(self) -> bool:
+        """This rank's consumer holds new partitions until the ranks exchange positions."""
+        return self.stream is not None and self.source is not None and self.source.peers_wanted
+
+    def exchange_positions(self) -> None:
+        """A collective: every rank's hand-over positions (partitions it gave up in this
+        run) go to every rank, whose newly assigned partitions then start no earlier
+        than where any rank left them (see connectors/kafka.py, "Ranks of a
+        distributed job")."""
+        mine = self.source.handover_positions() if self.source is not None else {}
+        everyone: list = [None] * self.ctx.world_size
+        with collective("exchanging Kafka positions"):
+            dist.all_gather_object(everyone, mine)
+        if self.source is not None:
+            self.source.give_peer_positions(everyone)
+
     def _within_limit(self, batch: Batch) -> Batch:
         return batch.slice(0, self.remaining) if 0 <= self.remaining < len(batch) else batch
 
@@ -325,9 +337,9 @@ def _combine(s: DistributedSummary, everyone: list[dict], run: DistributedRun) -
     return out
 
 
-def _broadcast_int(value: int, what: str = "the checkpoint sequence") -> int:
+def _broadcast_int(value: int) -> int:
     box = [value]
-    with collective(f"agreeing on {what}"):
+    with collective("agreeing on the checkpoint sequence"):
         dist.broadcast_object_list(box, src=0)
     return int(box[0])
 
@@ -352,9 +364,12 @@ def train_distributed(cfg: Config, resume: str | None = None,
             while True:
                 batch = None if stop.requested else run.next_batch(stop)
                 # Agree: steps are collectives, so either every rank steps or none.
-                anyone_has, anyone_reading, anyone_stops, rebalanced = agree(
-                    [batch is not None, run.reading, stop.requested, run.checkpoint_wanted],
+                anyone_has, anyone_reading, anyone_stops, rebalanced, handover = agree(
+                    [batch is not None, run.reading, stop.requested, run.checkpoint_wanted,
+                     run.positions_wanted],
                     while_waiting=run.keep_polling if run.stream is not None else None)
+                if handover:              # a rank got partitions: where did the others leave them?
+                    run.exchange_positions()
                 if anyone_stops or not (anyone_has or anyone_reading):
                     break                 # (stop) a batch read but not trained is re-read on resume
                 if anyone_has:

@@ -33,24 +33,28 @@ def kafka_job_config(run_dir, source: str, batch_size: int = 64) -> dict:
 
 
 def kafka_rank(rank: int, world: int, cfg: dict, resume: str | None = None,
-               crash: tuple[int, int] | None = None, join_late_s: float = 0.0) -> dict:
+               crash: tuple[int, int] | None = None, join_late: str | None = None) -> dict:
     """One rank; returns the (partition, offset) of every row it trained. `crash`:
-    (rank, step) after which that rank dies; `join_late_s`: rank 1 joins the consumer
-    group that long after the job started (rank 0 first trains every partition)."""
-    import time
+    (rank, step) after which that rank dies; `join_late` (a file path): rank 1 joins
+    the consumer group only after rank 0 trained 4 batches (then writes that file),
+    so rank 0 first trains every partition and then hands some over."""
+    from pathlib import Path
     from stream_ctr.dist_train import DistributedRun, train_distributed
     from stream_ctr.distributed import DistributedError
     trained: list[str] = []
     record, step, next_batch = DistributedRun.record, DistributedRun.step, DistributedRun._next_stream_batch
-    join_at = time.monotonic() + (join_late_s if rank == 1 else 0.0)
 
     def joining_late(self):
-        return None if time.monotonic() < join_at else next_batch(self)
+        if rank == 1 and join_late and not Path(join_late).exists():
+            return None
+        return next_batch(self)
 
     def recording(self, batch, result):
         names = np.asarray(batch.partitions)[batch.partition]
         trained.extend(f"{n}@{o}" for n, o in zip(names, batch.offset))
         record(self, batch, result)
+        if rank == 0 and join_late and len(trained) >= 4 * len(batch):
+            Path(join_late).touch()
 
     def crashing(self, batch):
         step(self, batch)
@@ -97,7 +101,7 @@ def test_two_ranks_train_a_topic_exactly_once_with_the_accuracy_of_one_replica(k
     replay_file("criteo:sample", kafka.url(topic), limit=TRAIN_RECORDS)
     cfg = kafka_job_config(tmp_path / "job", kafka.url(topic, "dist"))
     # rank 1 joins the group late: rank 0 hands half of the partitions over mid-stream
-    results = values(run_ranks(kafka_rank, 2, cfg, None, None, 6.0, timeout_s=240))
+    results = values(run_ranks(kafka_rank, 2, cfg, None, None, str(tmp_path / "joined"), timeout_s=240))
     trained = [r["trained"] for r in results]
     assert_exactly_once(trained[0] + trained[1], all_records(topic))
     assert trained[0] and trained[1]                       # the group split the partitions
@@ -127,7 +131,8 @@ def test_kafka_job_resumes_after_a_rank_dies_with_nothing_lost_or_repeated(kafka
 
     # Rank 1 joins late: rank 0 trains past the checkpoint on every partition, then the
     # group hands rank 1 its share, which must continue after rank 0, not at the checkpoint.
-    resumed = values(run_ranks(kafka_rank, 2, cfg, str(tmp_path), None, 8.0, timeout_s=240))
+    resumed = values(run_ranks(kafka_rank, 2, cfg, str(tmp_path), None, str(tmp_path / "joined"),
+                               timeout_s=240))
     # In the model: what the manifest's positions cover, plus what the resumed job trained.
     from stream_ctr.job_checkpoint import Job, merged_stream_positions
     done = merged_stream_positions(Job(root, manifest))
