@@ -4,10 +4,29 @@
 the lines it rejected.  Nothing is dropped silently: every line is either a
 row of the Batch or a `Rejected` with one of the fixed reasons in `REASONS`.
 
-The hot path has no per-record Python loop: lines and fields are located with
-`np.flatnonzero` on the byte buffer, integers are parsed with SWAR arithmetic
-on 8-byte words, and tokens are hashed by `connectors.hashing`.  Python loops
-run only over rejected lines and over the rare integers longer than 8 digits.
+The hot path has no per-record Python loop, and is built to make few passes
+over memory, since numpy's cost here is one pass per operation:
+
+- the buffer is cut into blocks of whole lines (`BLOCK_BYTES`, about 2048
+  Criteo lines) that are decoded one after the other, so that every
+  temporary of a block stays in the CPU's L2 cache (worth ~1.3x over
+  decoding a whole fetch at once);
+- per block, one `np.flatnonzero` finds the separators (delimiters and LFs).
+  When every line of the block has exactly ``fmt.n_fields`` fields (checked
+  exactly: the number of separators, and every n_fields-th one an LF) they
+  reshape to a [lines, fields] matrix of field ends without any gather; a
+  block with a malformed line takes the general path (`_split_general`);
+- integers are parsed with SWAR arithmetic on one 8-byte word per field, the
+  sign read from that same word; Criteo's integer features take their keys
+  from a per-field table for the values most counts have (`_IntKeyTable`)
+  instead of a logarithm and a hash per value;
+- tokens are hashed by `connectors.hashing.hash_spans` straight into the key
+  matrix.
+
+Python loops run over blocks, over rejected lines and over the rare integers
+longer than 8 characters, never over records.  The decoder before these
+changes is kept as the tests' reference (tests/connectors/decode_reference.py):
+the output is bit-identical to it.
 """
 from __future__ import annotations
 
@@ -17,7 +36,7 @@ import numpy as np
 
 from connectors.batch import Batch, Rejected
 from connectors.formats import RecordFormat
-from connectors.hashing import hash_ints, hash_tokens, padded_buffer, word_view
+from connectors.hashing import field_salt, hash_ints, hash_spans, word_view
 
 # Reject reasons; the index is the code used inside this module (0 = decoded).
 REASONS = ("ok", "field_count", "bad_label", "bad_integer", "bad_time")
@@ -25,15 +44,20 @@ OK, FIELD_COUNT, BAD_LABEL, BAD_INTEGER, BAD_TIME = range(len(REASONS))
 
 _LF, _CR, _MINUS, _ZERO = 10, 13, 45, 48
 _MAX_DIGITS = 18                     # |value| < 10**18 always fits int64
+_SLACK_BYTES = 8                     # zero bytes after the data: a word read at any field start stays inside
 _Z30 = np.uint64(0x3030303030303030)
-_F0 = np.uint64(0xF0F0F0F0F0F0F0F0)
-_P06 = np.uint64(0x0606060606060606)
+_P76 = np.uint64(0x7676767676767676)
+_H80 = np.uint64(0x8080808080808080)
 _MS_PER_HOUR = 3_600_000
-BLOCK_ROWS = 8192    # rows decoded per inner step: keeps temporaries in the CPU cache
+# Bytes per block (cut at the next LF): about 2048 Criteo lines, whose [lines,
+# fields] int64 temporaries (~650 KB) stay in the L2 cache; much smaller blocks
+# pay numpy's per-call overhead (about 70 calls a block) too often.  Measured
+# best at 1024-4096 lines.
+BLOCK_BYTES = 512 << 10
 
 
 class _Columns(NamedTuple):
-    """Decoded columns of the lines with the right field count (or a block of them)."""
+    """Decoded columns of a run of lines, one row per line (rejected lines too)."""
     labels: np.ndarray          # float32 [m]
     dense: np.ndarray           # float32 [m, D]
     keys: np.ndarray            # int64 [m, F]
@@ -50,12 +74,27 @@ class _Columns(NamedTuple):
         return _Columns(*(column[lo:hi] for column in self))
 
 
-class _Spans(NamedTuple):
-    line_starts: np.ndarray     # int64 [n_lines]
-    line_ends: np.ndarray       # int64 [n_lines], without LF / CR
-    counted: np.ndarray         # bool [n_lines]: the line has exactly fmt.n_fields fields
-    field_ends: np.ndarray      # int64 [m, n_fields] of the counted lines; field j > 0
-                                # starts at field_ends[:, j - 1] + 1
+def line_buffer(data: bytes | bytearray | memoryview) -> tuple[np.ndarray, int]:
+    """`data` as the buffer `decode_buffer` wants: (uint8 array, n_bytes).
+
+    A final line without LF gets one (so every line ends in an LF), then
+    `_SLACK_BYTES` zero bytes follow.  One copy of `data`.
+    """
+    raw = np.frombuffer(data, dtype=np.uint8)
+    n_bytes = len(raw) + (1 if len(raw) and raw[-1] != _LF else 0)
+    buf = np.zeros(n_bytes + _SLACK_BYTES, dtype=np.uint8)
+    buf[:len(raw)] = raw
+    if n_bytes > len(raw):
+        buf[len(raw)] = _LF
+    return buf, n_bytes
+
+
+class DecodedLines(NamedTuple):
+    """What `decode_buffer` returns: `decode_lines`'s pair plus where each line is."""
+    batch: Batch
+    rejected: list[Rejected]
+    line_start: np.ndarray      # int64 [n_lines]: first byte of line i in the buffer
+    line_lf: np.ndarray         # int64 [n_lines]: its LF (a line is empty iff the two are equal)
 
 
 def decode_lines(data: bytes, fmt: RecordFormat, partition: str,
@@ -73,72 +112,137 @@ def decode_lines(data: bytes, fmt: RecordFormat, partition: str,
     (partition,)``, partition index 0) and the rejected lines in line order,
     each with a reason from `REASONS` and its raw bytes without line ending.
     """
-    buf = padded_buffer(data)
-    spans = _split(buf, len(data), fmt)
-    cols = _decode_counted(buf, spans, fmt)
-    reason = np.full(len(spans.line_starts), FIELD_COUNT, dtype=np.int8)
-    counted_idx = np.flatnonzero(spans.counted)
-    reason[counted_idx] = cols.reason
-    keep = cols.reason == OK
-    rows = counted_idx
-    if not keep.all():
-        cols, rows = _Columns(*(column[keep] for column in cols)), counted_idx[keep]
+    buf, n_bytes = line_buffer(data)
+    decoded = decode_buffer(buf, n_bytes, fmt, partition, first_offset)
+    return decoded.batch, decoded.rejected
+
+
+def decode_buffer(buf: np.ndarray, n_bytes: int, fmt: RecordFormat, partition: str,
+                  first_offset: int, skip_empty_lines: bool = False) -> DecodedLines:
+    """`decode_lines` on lines already in a uint8 buffer, without copying them.
+
+    ``buf[:n_bytes]`` are whole lines, each ending in an LF, and at least
+    `_SLACK_BYTES` bytes of `buf` follow them (`line_buffer` makes one; the
+    Kafka decoder joins messages straight into one).  `buf` is only read.
+    With `skip_empty_lines` an empty line is neither a row nor a reject (it
+    still has its offset): the Kafka decoder's rule, for which a blank line is
+    no record.
+    """
+    if len(buf) < n_bytes + _SLACK_BYTES or (n_bytes and buf[n_bytes - 1] != _LF):
+        raise ValueError("decode_buffer needs LF-terminated lines and 8 bytes of slack")
+    n_lines = int(np.count_nonzero(buf[:n_bytes] == _LF))    # to allocate the columns once
+    cols = _Columns.empty(n_lines, fmt)
+    line_start, line_lf = np.empty(n_lines, np.int64), np.empty(n_lines, np.int64)
+    row = first_byte = 0
+    while first_byte < n_bytes:
+        end = _block_end(buf, first_byte, n_bytes)
+        row = _decode_block(buf, first_byte, end, fmt, cols, row, line_start, line_lf)
+        first_byte = end
+    reason = cols.reason
+    ok = reason == OK
+    rows = np.arange(n_lines)
+    rejected: list[Rejected] = []
+    if not ok.all():
+        rows = np.flatnonzero(ok)
+        cols = _Columns(*(column[ok] for column in cols))
+        rejected = _rejected(buf, line_start, line_lf, reason, partition, first_offset,
+                             skip_empty_lines)
     batch = Batch(labels=cols.labels, dense=cols.dense, keys=cols.keys,
                   event_time_ms=cols.event_time_ms,
                   partition=np.zeros(len(rows), dtype=np.int32),
                   offset=rows + first_offset, partitions=(partition,))
-    raw = memoryview(data)
-    rejected = [Rejected(partition, first_offset + int(i), REASONS[reason[i]],
-                         bytes(raw[spans.line_starts[i]:spans.line_ends[i]]))
-                for i in np.flatnonzero(reason != OK)]
-    return batch, rejected
+    return DecodedLines(batch, rejected, line_start, line_lf)
 
 
-def _decode_counted(buf: np.ndarray, spans: _Spans, fmt: RecordFormat) -> _Columns:
-    """Run the format's decoder over the counted lines, BLOCK_ROWS at a time."""
-    m = len(spans.field_ends)
-    cols = _Columns.empty(m, fmt)
-    line_starts = spans.line_starts[spans.counted]
-    decode_block = _DECODERS[fmt.name]
-    for lo in range(0, m, BLOCK_ROWS):
-        hi = min(lo + BLOCK_ROWS, m)
-        decode_block(buf, line_starts[lo:hi], spans.field_ends[lo:hi], cols.rows(lo, hi))
-    return cols
+def _block_end(buf: np.ndarray, first_byte: int, n_bytes: int) -> int:
+    """The end (just after an LF) of the block of about BLOCK_BYTES that starts at `first_byte`."""
+    at = first_byte + BLOCK_BYTES
+    window = 4096
+    while at < n_bytes:
+        lf = np.flatnonzero(buf[at:min(at + window, n_bytes)] == _LF)
+        if len(lf):
+            return at + int(lf[0]) + 1
+        at, window = at + window, window * 2
+    return n_bytes
 
 
-def _split(buf: np.ndarray, n_bytes: int, fmt: RecordFormat) -> _Spans:
-    """Locate lines and, for lines with exactly fmt.n_fields fields, their field ends.
+def _rejected(buf: np.ndarray, line_start: np.ndarray, line_lf: np.ndarray, reason: np.ndarray,
+              partition: str, first_offset: int, skip_empty_lines: bool) -> list[Rejected]:
+    """The lines whose reason is not OK, with their bytes (no LF, no CR before it)."""
+    bad = reason != OK
+    if skip_empty_lines:
+        bad &= line_lf != line_start
+    bad = np.flatnonzero(bad)
+    start, end = line_start[bad], line_lf[bad]
+    end -= (end > start) & (buf[end - 1] == _CR)
+    return [Rejected(partition, first_offset + i, REASONS[r], buf[s:e].tobytes())
+            for i, r, s, e in zip(bad.tolist(), reason[bad].tolist(), start.tolist(), end.tolist())]
 
-    One pass finds every separator (delimiter or LF); line i ends at its LF and
-    its fields end at its separators, so well-formed data reshapes to
-    [n_lines, n_fields] without any gather.
+
+def _decode_block(buf: np.ndarray, first_byte: int, end: int, fmt: RecordFormat, cols: _Columns,
+                  row: int, line_start: np.ndarray, line_lf: np.ndarray) -> int:
+    """Decode the lines of ``buf[first_byte:end]`` into `cols` from `row` on, and note
+    where they are in `line_start` / `line_lf`; returns the row after the last.
+
+    Positions inside the block are relative to its first byte (`block` is a
+    view of `buf` from there on), so no position array is shifted.
     """
-    body = buf[:n_bytes]
+    block = buf[first_byte:]
+    body = block[:end - first_byte]
+    is_lf = body == _LF
     is_sep = body == fmt.delimiter_byte
-    is_sep |= body == _LF
+    is_sep |= is_lf
     sep = np.flatnonzero(is_sep)
-    is_end = buf[sep] == _LF
-    if n_bytes and body[-1] != _LF:                  # last line without LF
-        sep = np.append(sep, n_bytes)
-        is_end = np.append(is_end, True)
-    line_last = np.flatnonzero(is_end)               # index in `sep` of each line's LF
-    line_end = sep[line_last]
-    line_start = np.empty_like(line_end)
-    n_fields = np.empty_like(line_last)
-    if len(line_last):
-        line_start[0], n_fields[0] = 0, line_last[0] + 1
-        line_start[1:] = line_end[:-1] + 1
-        n_fields[1:] = np.diff(line_last)
-    has_cr = line_end > line_start
-    has_cr[has_cr] = buf[line_end[has_cr] - 1] == _CR
-    line_end -= has_cr
-    counted = n_fields == fmt.n_fields
-    if counted.all():
-        field_ends = sep.reshape(len(line_last), fmt.n_fields)
+    n_lines, n_fields = int(np.count_nonzero(is_lf)), fmt.n_fields
+    out = cols.rows(row, row + n_lines)
+    decode = _DECODERS[fmt.name]
+    # Every line has n_fields fields exactly when there are n_lines * n_fields
+    # separators and every n_fields-th one is an LF (then those are all the LFs).
+    lfs = sep[n_fields - 1::n_fields]
+    if len(sep) == n_lines * n_fields and (body[lfs] == _LF).all():
+        lfs = lfs.copy()                            # field_ends[:, -1] loses its CR below
+        starts = _line_starts(lfs)
+        field_ends = sep.reshape(n_lines, n_fields)
+        _strip_cr(block, field_ends[:, -1])
+        decode(block, starts, field_ends, out)
     else:
-        field_ends = sep[line_last[counted][:, None] + np.arange(1 - fmt.n_fields, 1)]
-    field_ends[:, -1] = line_end[counted]
-    return _Spans(line_start, line_end, counted, field_ends)
+        lfs = np.flatnonzero(is_lf)
+        starts = _line_starts(lfs)
+        counted, field_ends = _split_general(block, sep, n_fields)
+        _strip_cr(block, field_ends[:, -1])
+        good = _Columns.empty(len(field_ends), fmt)
+        decode(block, starts[counted], field_ends, good)
+        out.reason[:] = FIELD_COUNT
+        for column, values in zip(out, good):
+            column[counted] = values
+    line_start[row:row + n_lines] = starts + first_byte
+    line_lf[row:row + n_lines] = lfs + first_byte
+    return row + n_lines
+
+
+def _line_starts(lfs: np.ndarray) -> np.ndarray:
+    starts = np.empty_like(lfs)
+    starts[:1] = 0
+    starts[1:] = lfs[:-1] + 1
+    return starts
+
+
+def _split_general(block: np.ndarray, sep: np.ndarray, n_fields: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lines with exactly n_fields fields, their [m, n_fields] field ends) of a block
+    with some malformed line; `sep` are the positions of all its separators."""
+    line_last = np.flatnonzero(block[sep] == _LF)          # index in `sep` of each line's LF
+    fields = np.diff(line_last, prepend=-1)
+    counted = fields == n_fields
+    field_ends = sep[line_last[counted][:, None] + np.arange(1 - n_fields, 1)]
+    return counted, field_ends
+
+
+def _strip_cr(block: np.ndarray, line_end: np.ndarray) -> None:
+    """Move line ends (at their LF) before a CR that precedes the LF, in place.
+
+    Only for lines with at least two fields: the byte before the LF is then
+    inside the line (a CR or the last field's last byte, or a separator)."""
+    line_end -= block[line_end - 1] == _CR
 
 
 def parse_labels(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -152,63 +256,74 @@ def parse_ints(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Parse decimal integers (optional leading '-', up to 18 digits) in byte spans.
 
-    Returns (values int64, ok, missing): `missing` where the span is empty;
-    `ok` is False only for a non-empty span that is not an integer.  `buf`
-    needs 8 bytes of slack after the last span (see `padded_buffer`).
+    Returns (values int64, ok, missing): `missing` where the span is empty
+    (its value is 0); `ok` is False only for a non-empty span that is not an
+    integer.  `buf` needs 8 bytes of slack after the last span start.
     """
     length = ends - starts
-    negative = buf[starts] == _MINUS
-    n_digits = length - negative
-    words = word_view(buf)[starts + negative]
-    values, ok = _swar_digits(words, n_digits)
-    if n_digits.size and n_digits.max() > 8:
-        long_idx = np.flatnonzero((n_digits > 8).reshape(-1))
-        _parse_long(buf, (starts + negative).reshape(-1), n_digits.reshape(-1), long_idx,
+    values, ok = _parse_words(word_view(buf)[starts], length)
+    long_idx = np.flatnonzero(length > 8) if length.size and length.max() > 8 else ()
+    if len(long_idx):
+        _parse_long(buf, starts.reshape(-1), length.reshape(-1), long_idx,
                     values.reshape(-1), ok.reshape(-1))
-    np.negative(values, out=values, where=negative)
     missing = length == 0
     ok |= missing
     return values, ok, missing
 
 
-# Right-aligning shift and '0' padding for 0..8 digits; 0 digits pads with 0xFF (invalid).
-_SHIFT = np.array([0] + [8 * (8 - k) for k in range(1, 9)], dtype=np.uint64)
-_ZPAD = np.array([(1 << 64) - 1] + [0x3030303030303030 >> (8 * k) for k in range(1, 9)],
-                 dtype=np.uint64)
+def _parse_words(x: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Value and validity of the integer spelled by the first `length` (0..8) bytes of
+    each little-endian word of `x` (SWAR); consumes `x`.
 
-
-def _swar_digits(x: np.ndarray, n_digits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Value and validity of `n_digits` (1..8) ASCII digits in the low bytes of words `x`.
-
-    The digits are shifted to the high bytes (the first digit is the lowest
-    byte: little-endian), the low bytes padded with '0', checked to be all in
-    '0'..'9', and combined pairwise (SWAR).  Consumes `x`.
+    A leading '-' is read from the word's first byte and shifted out.  The
+    digits are turned into 0..9 (xor '0'), moved to the high bytes (the zeros
+    shifted in are leading zero digits; a shift by 64 gives 0 in numpy), checked
+    to be 0..9 all at once, and combined pairwise.  Longer spans give garbage
+    here and are redone by `_parse_long`; an empty span gives 0.
     """
-    x <<= np.take(_SHIFT, n_digits, mode="clip")
-    x |= np.take(_ZPAD, n_digits, mode="clip")
-    ok = (x & _F0) == _Z30
-    ok &= ((x + _P06) & _F0) == _Z30
-    x -= _Z30
-    for shift, mask in ((8, 0x00FF00FF00FF00FF), (16, 0x0000FFFF0000FFFF), (32, 0xFFFFFFFF)):
-        high = x >> np.uint64(shift)
-        x *= np.uint64(10 ** (shift // 8))
-        x += high
-        x &= np.uint64(mask)
-    return x.view(np.int64), ok
+    negative = (x & np.uint64(0xFF)) == _MINUS
+    x >>= negative.astype(np.uint64) << np.uint64(3)   # (arithmetic: `where=` ufuncs are slow)
+    n_digits = length - negative
+    x ^= _Z30
+    shift = 8 - n_digits
+    shift <<= 3
+    x <<= shift.view(np.uint64)
+    # Every byte <= 9: adding 0x76 leaves its top bit clear and it had none.  A
+    # carry out of a byte happens only from a byte that fails anyway.
+    bad = x + _P76
+    bad |= x
+    bad &= _H80
+    ok = bad == 0
+    ok &= ~(negative & (n_digits == 0))              # a lone '-'
+    x *= np.uint64(10 * 256 + 1)                     # pairs of digits...
+    x >>= np.uint64(8)
+    x &= np.uint64(0x00FF00FF00FF00FF)
+    x *= np.uint64(100 * 65536 + 1)                  # ...groups of four...
+    x >>= np.uint64(16)
+    x &= np.uint64(0x0000FFFF0000FFFF)
+    x *= np.uint64(10000 * (1 << 32) + 1)            # ...all eight
+    x >>= np.uint64(32)
+    values = x.view(np.int64)
+    flip = -negative.astype(np.int64)                # -1 where negative: v -> (v ^ -1) + 1 = -v
+    values ^= flip
+    values -= flip
+    return values, ok
 
 
-def _parse_long(buf: np.ndarray, dstart: np.ndarray, n_digits: np.ndarray, idx: np.ndarray,
+def _parse_long(buf: np.ndarray, starts: np.ndarray, length: np.ndarray, idx: np.ndarray,
                 values: np.ndarray, ok: np.ndarray) -> None:
-    """Redo spans of 9..18 digits with a loop over character positions, in place."""
-    nd = n_digits[idx]
+    """Redo the spans `idx` (longer than 8 bytes) with a loop over character positions, in place."""
+    negative = buf[starts[idx]] == _MINUS
+    dstart = starts[idx] + negative
+    nd = length[idx] - negative
     val = np.zeros(len(idx), dtype=np.int64)
     good = nd <= _MAX_DIGITS
     for pos in range(int(min(nd.max(), _MAX_DIGITS))):
         active = nd > pos
-        digit = buf[np.minimum(dstart[idx] + pos, len(buf) - 1)].astype(np.int64) - _ZERO
+        digit = buf[np.minimum(dstart + pos, len(buf) - 1)].astype(np.int64) - _ZERO
         good &= ~active | ((digit >= 0) & (digit <= 9))
         val = np.where(active, val * 10 + digit, val)
-    values[idx] = np.where(good, val, 0)
+    values[idx] = np.where(good, np.where(negative, -val, val), 0)
     ok[idx] = good
 
 
@@ -224,18 +339,66 @@ def signed_log1p(values: np.ndarray, missing: np.ndarray) -> np.ndarray:
     return np.where(missing, np.float32(0), np.copysign(mag, values.astype(np.float32)))
 
 
+def _signed_log1p_into(values: np.ndarray, out: np.ndarray) -> None:
+    """`signed_log1p` written into `out`, for values that are 0 where missing
+    (what `parse_ints` gives): copysign(log1p(0), +0.0) is the same +0.0.
+    abs(float32(v)) == float32(abs(v)) since rounding is symmetric."""
+    as_float = values.astype(np.float32)
+    mag = np.abs(as_float)
+    np.log1p(mag, out=mag)
+    np.copysign(mag, as_float, out=out)
+
+
+class _IntKeyTable:
+    """Keys of Criteo's integer features for the values most counts have.
+
+    The key of I_j is ``hash_ints(criteo_buckets(v), j)``, or the field's
+    missing sign: a logarithm and a 10-step hash per value.  For v in [LOW,
+    HIGH) and for missing values it is read from a table built once with
+    those same functions (so it is the same key); the rare values outside
+    (about 1% in Criteo-like data) are computed.
+    """
+    LOW, HIGH = -16, 1 << 14
+
+    def __init__(self, n_fields: int) -> None:
+        values = np.arange(self.LOW, self.HIGH, dtype=np.int64)
+        fields = np.arange(n_fields)
+        missing = hash_ints(np.zeros(n_fields, np.int64), fields, np.ones(n_fields, bool))
+        self.span = len(values) + 1                   # the last slot of a field: its missing sign
+        self.table = np.concatenate([np.append(hash_ints(criteo_buckets(values), j), missing[j])
+                                     for j in range(n_fields)])
+        self.base = fields * self.span - self.LOW
+        self.missing_step = np.int64(self.span - 1 + self.LOW)   # value 0 -> the missing slot
+
+    def keys(self, values: np.ndarray, missing: np.ndarray) -> np.ndarray:
+        """Keys [m, n_fields] of `values` [m, n_fields] (0 where `missing`)."""
+        index = np.clip(values, self.LOW, self.HIGH - 1)
+        outside = index != values
+        index += self.base
+        index += missing * self.missing_step
+        keys = np.take(self.table, index, mode="clip")
+        if outside.any():
+            flat = np.flatnonzero(outside)
+            fields = flat % values.shape[1]
+            keys.reshape(-1)[flat] = hash_ints(criteo_buckets(values.reshape(-1)[flat]), fields)
+        return keys
+
+
+_CRITEO_INT_KEYS = _IntKeyTable(13)
+_CRITEO_CAT_SALT = field_salt(np.arange(13, 39))
+
+
 def _decode_criteo(buf: np.ndarray, line_start: np.ndarray, fe: np.ndarray, out: _Columns) -> None:
     out.labels[:], label_ok = parse_labels(buf, line_start, fe[:, 0])
     values, int_ok, missing = parse_ints(buf, fe[:, 0:13] + 1, fe[:, 1:14])
     out.reason[:] = np.where(~label_ok, BAD_LABEL, np.where(int_ok.all(axis=1), OK, BAD_INTEGER))
-    out.dense[:] = signed_log1p(values, missing)
-    out.keys[:, :13] = hash_ints(criteo_buckets(values), _CRITEO_INT_FIELDS, missing)
-    out.keys[:, 13:] = hash_tokens(buf, fe[:, 13:39] + 1, fe[:, 14:], _CRITEO_CAT_FIELDS)
+    _signed_log1p_into(values, out.dense)
+    out.keys[:, :13] = _CRITEO_INT_KEYS.keys(values, missing)
+    starts = fe[:, 13:39] + 1
+    hash_spans(word_view(buf), starts, fe[:, 14:] - starts, _CRITEO_CAT_SALT, out=out.keys[:, 13:])
     out.event_time_ms[:] = -1
 
 
-_CRITEO_INT_FIELDS = np.arange(13)
-_CRITEO_CAT_FIELDS = np.arange(13, 39)
 _DAYS_IN_MONTH = np.array([0, 31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31], dtype=np.int64)
 
 
@@ -263,15 +426,20 @@ def parse_avazu_hour(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray
     return np.where(ok, hours, 0), ok
 
 
+_AVAZU_CAT_SALT = field_salt(np.arange(21))
+_HOUR_OF_DAY_KEYS = hash_ints(np.arange(24), 21)
+_DAY_OF_WEEK_KEYS = hash_ints(np.arange(7), 22)
+
+
 def _decode_avazu(buf: np.ndarray, line_start: np.ndarray, fe: np.ndarray, out: _Columns) -> None:
     out.labels[:], label_ok = parse_labels(buf, fe[:, 0] + 1, fe[:, 1])
     hours, time_ok = parse_avazu_hour(buf, fe[:, 1] + 1, fe[:, 2])
     out.reason[:] = np.where(~label_ok, BAD_LABEL, np.where(time_ok, OK, BAD_TIME))
-    out.keys[:, :21] = hash_tokens(buf, fe[:, 2:23] + 1, fe[:, 3:], _AVAZU_CAT_FIELDS)
-    out.keys[:, 21] = hash_ints(hours % 24, 21)                    # hour of day, UTC
-    out.keys[:, 22] = hash_ints((hours // 24 + 3) % 7, 22)         # day of week, Monday = 0
+    starts = fe[:, 2:23] + 1
+    hash_spans(word_view(buf), starts, fe[:, 3:] - starts, _AVAZU_CAT_SALT, out=out.keys[:, :21])
+    out.keys[:, 21] = _HOUR_OF_DAY_KEYS[hours % 24]                 # hour of day, UTC
+    out.keys[:, 22] = _DAY_OF_WEEK_KEYS[(hours // 24 + 3) % 7]      # day of week, Monday = 0
     out.event_time_ms[:] = hours * _MS_PER_HOUR
 
 
-_AVAZU_CAT_FIELDS = np.arange(21)
 _DECODERS = {"criteo": _decode_criteo, "avazu": _decode_avazu}

@@ -79,18 +79,34 @@ def hash_tokens(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray,
     """
     starts = np.asarray(starts, dtype=np.int64)
     ends = np.asarray(ends, dtype=np.int64)
-    length = ends - starts
     if starts.size and starts.max() + 8 > len(buf):
         buf = padded_buffer(buf)
-    words = word_view(buf)
+    return hash_spans(word_view(buf), starts, ends - starts, field_salt(field_ids))
+
+
+def hash_spans(words: np.ndarray, starts: np.ndarray, length: np.ndarray, salt: np.ndarray,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """`hash_tokens` for callers that already hold the pieces (the decoder's hot path).
+
+    `words` is `word_view` of a buffer with slack, `length` the span lengths
+    (``ends - starts``), `salt` the `field_salt` of the fields (broadcast
+    against `starts`).  With `out` (int64, the broadcast shape, may be a
+    strided view such as some columns of a key matrix) the keys are written
+    there and no result array is allocated.  Returns the int64 keys.
+    """
     state = length.view(np.uint64) * GOLDEN
-    state += field_salt(field_ids)
-    state ^= words[starts] & np.take(_LEN_MASK, length, mode="clip")
+    state += salt
+    chunk = words[starts]
+    chunk &= np.take(_LEN_MASK, length, mode="clip")
+    state ^= chunk
     mix64(state)
     if length.size and length.max() > 8:
         _hash_long_tail(state, words, starts, length)
-    state &= _SIGN_MASK
-    return state.view(np.int64)
+    if out is None:
+        state &= _SIGN_MASK
+        return state.view(np.int64)
+    np.bitwise_and(state, _SIGN_MASK, out=out.view(np.uint64))
+    return out
 
 
 def _hash_long_tail(state: np.ndarray, words: np.ndarray, starts: np.ndarray,

@@ -50,11 +50,22 @@ when it goes away and one when it is back) and ``read()`` keeps returning
 empty batches, so the trainer can still stop on a signal.  At start-up an
 unreachable broker or a missing topic is a `SourceError`.
 
+Decoding overlaps fetching.  A polled run of messages is decoded on a worker
+thread (`decode_messages` is numpy, which releases the GIL; two runs may be
+decoded at once) while the caller's thread goes on with kafka-python: when
+``read()`` needs rows that are still being decoded, it polls for the next run
+(briefly, while fewer than two reads' worth of rows are in sight) before it
+waits for them.  Runs are taken into the buffer in fetch order, on the
+caller's thread, exactly as a synchronous decode would have put them there; a
+revocation first waits for the runs in flight and takes them in, then drops
+rows as described above, so the exactly-once hand-over is unchanged.
+
 Backpressure.  Every ``read()`` polls (heartbeats and rebalances go on while
 the trainer works through a large fetch); rows decoded but not yet returned
 stay in a buffer, and above ``max_buffered_records`` the partitions are
 paused (the consumer keeps its membership but fetches nothing) and resumed
-below half of it, so memory stays bounded when the trainer is behind.
+below half of it, so memory stays bounded when the trainer is behind (runs
+still being decoded count, at their estimated rows).
 
 Order.  Within a partition, offset order.  The partitions of one fetch are
 interleaved by message timestamp (`kafka_decode.event_order`), so a backfill
@@ -71,6 +82,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Callable
@@ -90,6 +102,25 @@ from connectors.kafka_positions import (Position, PositionBook, commit_metadata,
 log = logging.getLogger("connectors.kafka")
 RevokeHook = Callable[[list[str], bool], None]     # (partition names, lost) -> None
 _VALUE, _OFFSET, _TIMESTAMP = attrgetter("value"), attrgetter("offset"), attrgetter("timestamp")
+# Runs decoded at the same time (they are independent; taken in in fetch order).
+# Two keep both cores of a small machine busy while the caller fetches; more
+# mostly add GIL hand-offs between numpy calls.
+_DECODE_THREADS = 2
+# How long a poll made while rows are still being decoded may wait for the next
+# run: long enough for a fetch response in flight to arrive, short enough that
+# a finished decode is not kept waiting long when nothing more comes.
+_PREFETCH_WAIT_S = 0.01
+
+
+@dataclass
+class _Decoding:
+    """A polled run of messages on the decode worker."""
+    future: Future                  # -> DecodedMessages
+    names: list[str]                # partition names; msg_partition indexes them
+    msg_partition: np.ndarray
+    msg_offset: np.ndarray
+    n_messages: int
+    rows_estimate: int              # for backpressure and prefetching, until it is done
 
 
 @dataclass
@@ -136,6 +167,8 @@ class KafkaSource:
         self._unpositioned: set[str] = set()                # assigned, paused until seeked
         self._buffer: deque[Batch] = deque()
         self._buffered = 0
+        self._decoding: deque[_Decoding] = deque()     # in fetch order
+        self._decoder = ThreadPoolExecutor(max_workers=_DECODE_THREADS, thread_name_prefix="kafka-decode")
         self._rejected: list[Rejected] = []
         self._backpressure = False
         self._closing = False
@@ -156,8 +189,9 @@ class KafkaSource:
         longer only while a rebalance listener runs or a new partition is
         positioned) only when fewer than `max_records` rows are buffered."""
         want = self.chunk_records if max_records is None else max_records
-        if not self._closing:
-            self._poll(want - self._buffered)
+        if not self._closing:        # with runs still decoding, waiting is `_collect`'s business
+            self._poll(want - self._buffered - self._rows_decoding(), prefetch=bool(self._decoding))
+        self._collect(want)
         batch = self._take(want)
         if len(batch):
             self._idle_since = time.monotonic()
@@ -171,7 +205,8 @@ class KafkaSource:
         (counted from the group's first assignment; not during outages or
         rebalances, nor while rows are buffered)."""
         idle = self.options.stop_when_idle_s
-        return bool(idle) and self._joined and not self._buffered and not self._watch.in_outage \
+        return bool(idle) and self._joined and not self._buffered and not self._decoding \
+            and not self._watch.in_outage \
             and not self._unpositioned and time.monotonic() - self._idle_since >= idle
 
     def snapshot(self) -> Positions:
@@ -268,6 +303,8 @@ class KafkaSource:
             except Exception as e:          # the broker may be gone; nothing to lose here
                 log.warning("kafka: consumer close: %s", e)
             self._consumer = None
+        self._decoder.shutdown(wait=True, cancel_futures=True)
+        self._decoding.clear()
 
     def __enter__(self) -> "KafkaSource":
         return self
@@ -276,16 +313,18 @@ class KafkaSource:
         self.close()
 
     # -- fetching ------------------------------------------------------------
-    def _poll(self, rows_missing: int) -> None:
+    def _poll(self, rows_missing: int, prefetch: bool = False) -> int:
+        """One consumer poll; the records go to the decode worker.  Returns the
+        number of messages accepted.  It waits (up to `options.poll_timeout_s`)
+        only when rows are missing; a `prefetch` poll waits `_PREFETCH_WAIT_S`."""
         from kafka.errors import KafkaError
-        wait = rows_missing > 0
+        wait = rows_missing > 0 and not prefetch
         rows = max(rows_missing, self.chunk_records)
         max_messages = max(1, min(self.options.max_poll_records,
                                   int(rows / max(self._rows_per_message, 1.0)) + 1))
+        timeout_s = _PREFETCH_WAIT_S if prefetch else self.options.poll_timeout_s if wait else 0
         try:
-            fetched = self._consumer.poll(
-                timeout_ms=int(self.options.poll_timeout_s * 1000) if wait else 0,
-                max_records=max_messages)
+            fetched = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_messages)
         except KafkaError as e:
             if not getattr(e, "retriable", False) and "Authentication" in type(e).__name__:
                 raise SourceError(f"kafka: {self.url.text}: authentication failed: {e}") from None
@@ -305,9 +344,11 @@ class KafkaSource:
         elif wait and self._watch.nothing_arrived(self._consumer, self._book.owned(), now):
             self._idle_since = now
         self._apply_backpressure()
+        return n
 
     def _accept(self, fetched: dict) -> int:
-        """Decode the polled records of owned, positioned partitions; returns their count."""
+        """Hand the polled records of owned, positioned partitions to the decode worker;
+        returns their count."""
         names, values, offsets, times, parts = [], [], [], [], []
         for tp, records in sorted(fetched.items()):
             name = partition_name(tp.topic, tp.partition)
@@ -330,11 +371,43 @@ class KafkaSource:
         if len(names) > 1:
             values, msg_partition, msg_offset, msg_time = event_order(values, msg_partition,
                                                                        msg_offset, msg_time)
-        decoded = decode_messages(values, msg_partition, msg_offset, msg_time,
-                                  tuple(names), self.fmt, self.options.value_format)
+        for name, offs in zip(names, offsets):
+            self._book.fetch_next[name] = int(offs[-1]) + 1     # the next poll's duplicates
+        future = self._decoder.submit(decode_messages, values, msg_partition, msg_offset, msg_time,
+                                      tuple(names), self.fmt, self.options.value_format)
+        self._decoding.append(_Decoding(future, names, msg_partition, msg_offset, len(values),
+                                        int(len(values) * self._rows_per_message)))
+        self.stats.messages += len(values)
+        self.stats.bytes += sum(map(len, values))
+        return len(values)
+
+    def _rows_decoding(self) -> int:
+        return sum(d.rows_estimate for d in self._decoding)
+
+    def _collect(self, want: int) -> None:
+        """Take decoded runs into the buffer, oldest first, while fewer than `want`
+        rows are buffered, waiting for them if need be.  While the oldest is still
+        decoding and fewer than 2 * `want` rows are in sight, poll for the next run
+        first: that fetching (this thread) overlaps the decoding (the worker).  Runs
+        beyond `want` stay queued, so the next read() finds them without waiting on
+        the broker.  A poll may run the rebalance listener, which takes every run in
+        itself; so the queue is looked at afresh after each."""
+        prefetch = not self._closing
+        while self._decoding and self._buffered < want:
+            in_sight = self._buffered + self._rows_decoding()
+            if prefetch and in_sight < 2 * want and not self._decoding[0].future.done():
+                prefetch = self._poll(2 * want - in_sight, prefetch=True) > 0
+                continue
+            self._take_in(self._decoding.popleft())
+
+    def _take_in(self, run: _Decoding) -> None:
+        """Put a decoded run into the buffer (on the caller's thread, or the listener's
+        while the caller is blocked in poll)."""
+        decoded = run.future.result()
+        names, msg_partition, msg_offset = run.names, run.msg_partition, run.msg_offset
         for index, name in enumerate(names):
             mine = msg_partition == index
-            self._book.note_fetched(name, msg_offset[mine], decoded.rows_per_message[mine])
+            self._book.note_message_rows(name, msg_offset[mine], decoded.rows_per_message[mine])
         rejected = decoded.rejected
         skipped = {name: pos for name, pos in self._book.skip.items() if name in names}
         if skipped:   # resuming inside a packed message: its bad lines were dead-lettered already
@@ -344,11 +417,8 @@ class KafkaSource:
         if len(batch):
             self._buffer.append(batch)
             self._buffered += len(batch)
-        self.stats.messages += len(values)
-        self.stats.bytes += sum(map(len, values))
         self._rows_per_message = 0.8 * self._rows_per_message + 0.2 * max(
-            1.0, (len(decoded.batch) + len(decoded.rejected)) / len(values))
-        return len(values)
+            1.0, (len(decoded.batch) + len(decoded.rejected)) / run.n_messages)
 
     def _take(self, want: int) -> Batch:
         """Pop up to `want` buffered rows, oldest first."""
@@ -371,9 +441,10 @@ class KafkaSource:
 
     def _apply_backpressure(self) -> None:
         limit = self.options.max_buffered_records
-        if not self._backpressure and self._buffered > limit:
+        rows = self._buffered + self._rows_decoding()
+        if not self._backpressure and rows > limit:
             self._backpressure = True
-        elif self._backpressure and self._buffered < limit // 2:
+        elif self._backpressure and rows < limit // 2:
             self._backpressure = False
         else:
             return
@@ -389,6 +460,8 @@ class KafkaSource:
             return {}
         self.stats.rebalances += 1
         self._joined = False                # not idle while the group rebalances
+        while self._decoding:               # as if decoded synchronously: take them in first
+            self._take_in(self._decoding.popleft())
         gone = set(names)
         self._buffer = deque(b for b in (filter_partitions(b, gone) for b in self._buffer) if len(b))
         self._buffered = sum(map(len, self._buffer))

@@ -29,11 +29,11 @@ from operator import itemgetter
 import numpy as np
 
 from connectors.batch import Batch, Rejected
-from connectors.decode import decode_lines
+from connectors.decode import decode_buffer
 from connectors.formats import RecordFormat
 
-_LF = 10
 EMPTY_MESSAGE, BAD_JSON = "empty_message", "bad_json"
+_SLACK = bytes(8)                   # after the joined values: the decoder's word reads stay inside
 
 
 @dataclass
@@ -52,67 +52,52 @@ def decode_messages(values: list[bytes], msg_partition: np.ndarray, msg_offset: 
 
     Rows of formats without an event time (Criteo) get the message timestamp.
     Nothing is dropped silently: every line is a row or a `Rejected`; a
-    message with no line at all is rejected as ``empty_message``.
+    message with no line at all is rejected as ``empty_message``.  Empty
+    lines (a message's trailing LF, blank lines) are no records.
     """
     raw_values, bad_json = values, []
     if value_format == "json":
         values, bad_json = json_to_lines(values, fmt)
-    data, line_msg = _join_lines(values)
-    batch, line_rejects = decode_lines(data, fmt, "", 0)
-    row_line = batch.offset
-    if line_msg is None:                  # one line per message: line i is message i
-        row_msg, line_msg, first_line = row_line, np.arange(len(values)), None
+    # One join: every message ends in an LF, then the decoder's 8 bytes of slack.
+    data = b"\n".join(values + [_SLACK])
+    lines = decode_buffer(np.frombuffer(data, dtype=np.uint8), len(data) - len(_SLACK), fmt, "", 0,
+                          skip_empty_lines=True)
+    batch, row_line = lines.batch, lines.batch.offset
+    empty = lines.line_lf == lines.line_start
+    if len(empty) == len(values) and not empty.any():   # one line per message: line i is message i
+        line_msg = row_msg = row_line
+        line_in_message = np.zeros_like(row_line)
+        rows_per_message = np.bincount(row_msg, minlength=len(values)).astype(np.int64)
+        no_line = []
     else:
+        lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+        msg_start = np.zeros(len(values), dtype=np.int64)
+        np.cumsum(lengths[:-1] + 1, out=msg_start[1:])
+        line_msg = np.searchsorted(msg_start, lines.line_start, side="right") - 1
         row_msg = line_msg[row_line]
-        first_line = np.searchsorted(line_msg, line_msg, side="left")
+        # Lines are numbered inside their message without the empty ones.
+        rank = np.cumsum(~empty) - 1
+        lines_per_message = np.bincount(line_msg[~empty], minlength=len(values))
+        first_rank = np.cumsum(lines_per_message) - lines_per_message
+        line_in_message = rank[row_line] - first_rank[row_msg]
+        rows_per_message = np.bincount(row_msg, minlength=len(values)).astype(np.int64)
+        no_line = np.flatnonzero(lines_per_message == 0)
     batch.offset = msg_offset[row_msg].astype(np.int64)
     batch.partition = msg_partition[row_msg].astype(np.int32)
     batch.partitions = partitions
     if fmt.name == "criteo":          # no event time in the record: use the message's
         batch.event_time_ms = msg_time_ms[row_msg].astype(np.int64)
-    rows_per_message = np.bincount(row_msg, minlength=len(values)).astype(np.int64)
-    line_in_message = np.zeros_like(row_line) if first_line is None else row_line - first_line[row_line]
 
     def reject(msg: int, reason: str, raw: bytes) -> Rejected:
         return Rejected(partitions[msg_partition[msg]], int(msg_offset[msg]), reason, raw)
 
-    rejected = [reject(int(line_msg[r.offset]), r.reason, r.raw) for r in line_rejects]
-    no_line = [] if first_line is None else np.flatnonzero(np.bincount(line_msg, minlength=len(values)) == 0)
+    rejected = [reject(int(line_msg[r.offset]), r.reason, r.raw) for r in lines.rejected]
     if len(no_line):
         json_bad = set(bad_json)
         rejected += [reject(m, BAD_JSON, raw_values[m]) if m in json_bad
                      else reject(m, EMPTY_MESSAGE, b"")
                      for m in map(int, no_line)]
     return DecodedMessages(batch, rejected, rows_per_message, line_in_message)
-
-
-def _join_lines(values: list[bytes]) -> tuple[bytes, np.ndarray | None]:
-    """All lines of all messages as one buffer of LF-terminated lines without
-    empty ones, and the message index of each line (ascending; None when
-    every message is exactly one line)."""
-    # One join, LF-terminated: the decoder's fast path (no unterminated last line).
-    data = b"\n".join(values + [b""])
-    if data.count(b"\n") == len(values) and b"" not in values:
-        return data, None                        # one line per message: the common case
-    buf = np.frombuffer(data, dtype=np.uint8)
-    line_end = np.flatnonzero(buf == _LF)
-    line_start = np.empty_like(line_end)
-    line_start[:1] = 0
-    line_start[1:] = line_end[:-1] + 1
-    lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-    msg_start = np.zeros(len(values), dtype=np.int64)
-    np.cumsum(lengths[:-1] + 1, out=msg_start[1:])
-    line_msg = np.searchsorted(msg_start, line_start, side="right") - 1
-    empty = line_start == line_end
-    if empty.any():
-        # Empty lines come from a message's trailing LF, blank lines and empty
-        # messages; none is a record.  Dropping the LF that ends each one
-        # leaves the other lines intact.
-        keep = np.ones(len(buf), dtype=bool)
-        keep[line_end[empty]] = False
-        data = buf[keep].tobytes()
-        line_msg = line_msg[~empty]
-    return data, line_msg
 
 
 def json_to_lines(values: list[bytes], fmt: RecordFormat) -> tuple[list[bytes], list[int]]:

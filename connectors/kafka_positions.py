@@ -116,10 +116,14 @@ class PositionBook:
         """Record a fetched run of messages of `name` (ascending offsets)."""
         if len(offsets):
             self.fetch_next[name] = int(offsets[-1]) + 1
-            packed = np.flatnonzero(rows_per_message > 1)
-            if len(packed):
-                self.message_rows[name].update(zip(offsets[packed].tolist(),
-                                                   rows_per_message[packed].tolist()))
+            self.note_message_rows(name, offsets, rows_per_message)
+
+    def note_message_rows(self, name: str, offsets: np.ndarray, rows_per_message: np.ndarray) -> None:
+        """Record how many good rows the (decoded) messages at `offsets` of `name` hold."""
+        packed = np.flatnonzero(rows_per_message > 1)
+        if len(packed) and name in self.message_rows:
+            self.message_rows[name].update(zip(offsets[packed].tolist(),
+                                               rows_per_message[packed].tolist()))
 
     def drop_skipped(self, batch: Batch) -> Batch:
         """Remove the rows a positioned-inside-a-message resume must not return again."""

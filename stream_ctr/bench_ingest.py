@@ -5,7 +5,8 @@ message) the same synthetic Criteo records are produced into a fresh
 1-partition topic and read back by
   (a) a bare kafka-python consumer loop (assign, poll, touch every value), and
   (b) `KafkaSource.read()`, i.e. the same fetches plus joining the values and
-      decoding them into a `Batch` (labels, dense, 39 hashed keys).
+      decoding them into a `Batch` (labels, dense, 39 hashed keys); the source
+      decodes on a worker thread while its caller's thread fetches the next run.
 Clocks start at the first record, so neither includes the group join.  The
 broker runs on the same machine (it competes for the cores).
 """
