@@ -65,7 +65,8 @@ def decode_messages(values: list[bytes], msg_partition: np.ndarray, msg_offset: 
     batch, row_line = lines.batch, lines.batch.offset
     empty = lines.line_lf == lines.line_start
     if len(empty) == len(values) and not empty.any():   # one line per message: line i is message i
-        line_msg = row_msg = row_line
+        line_msg = np.arange(len(values))      # rejects index lines, rows index good rows
+        row_msg = row_line
         line_in_message = np.zeros_like(row_line)
         rows_per_message = np.bincount(row_msg, minlength=len(values)).astype(np.int64)
         no_line = []
@@ -104,11 +105,14 @@ def json_to_lines(values: list[bytes], fmt: RecordFormat) -> tuple[list[bytes], 
     """JSON objects -> the format's text lines; bad messages become b"" and are listed.
 
     The whole fetch is parsed by one `json.loads` of a JSON array; only when
-    that fails are the messages parsed one by one to find the bad ones.
+    that fails, or a value held several top-level items (``1, 2``: the array
+    has more elements than messages), are the messages parsed one by one.
     """
     try:
         objects = json.loads(b"[" + b",".join(values) + b"]")
     except ValueError:
+        objects = None
+    if objects is None or len(objects) != len(values):
         objects = [_loads_or_none(v) for v in values]
     bad = [i for i, o in enumerate(objects) if not isinstance(o, dict)]
     for i in bad:
@@ -125,7 +129,17 @@ def json_to_lines(values: list[bytes], fmt: RecordFormat) -> tuple[list[bytes], 
         bad += [i for i, line in enumerate(lines) if "\n" in line]   # would split its record
     for i in bad:
         lines[i] = ""
-    return "\n".join(lines).encode("utf-8").split(b"\n"), sorted(set(bad))
+    try:
+        return "\n".join(lines).encode("utf-8").split(b"\n"), sorted(set(bad))
+    except UnicodeEncodeError:                    # a lone surrogate ("\ud800") in some value
+        encoded = []
+        for i, line in enumerate(lines):
+            try:
+                encoded.append(line.encode("utf-8"))
+            except UnicodeEncodeError:
+                bad.append(i)
+                encoded.append(b"")
+        return encoded, sorted(set(bad))
 
 
 def _loads_or_none(value: bytes) -> object:
