@@ -1,0 +1,380 @@
+"""Compiled (numba) line decoder: the fast path of `connectors.decode.decode_buffer`.
+
+The numpy decoder makes ~70 passes over each block of lines; this one makes
+one pass over the bytes, line by line, field by field, and writes the same
+columns.  Its kernels are ``@njit(nogil=True)``: they run without the GIL, so
+KafkaSource's decode threads really run beside kafka-python's fetch thread.
+
+The output is bit-identical to the numpy path, by construction where floating
+point is involved:
+
+- splitting, the reject rules (`decode.REASONS`, same precedence: field count,
+  then label, then integers / time), integer parsing and the token hash
+  (`connectors.hashing`: splitmix64 over 8-byte little-endian chunks, uint64
+  arithmetic) are integer code, re-implemented here;
+- everything that takes a logarithm (Criteo's dense features and integer
+  bucket keys) comes from tables that the numpy path's own functions fill
+  once (`_IntKeyTable`, `_signed_log1p_into` on the same value range).  The
+  rare integers outside the tables (~1% in Criteo data) are only noted by the
+  kernel, and `decode_jit.decode` computes them afterwards with those same
+  numpy functions: numba's `log` need not round like numpy's SIMD one.
+
+Rejected lines need no special path: the kernel gives every line a reason and
+its position, exactly what `decode_buffer` already turns into `Rejected`s.
+
+First call compiles the kernels (a few seconds); ``cache=True`` keeps the
+machine code in ``__pycache__`` for later processes.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+from numba.cpython.unsafe.numbers import trailing_zeros
+
+from connectors import decode as _np_decode
+from connectors.formats import RecordFormat
+from connectors.hashing import _LEN_MASK, GOLDEN   # _LEN_MASK[k] keeps the low k bytes of a word
+
+FORMATS = ("criteo", "avazu")
+
+# Same codes as connectors.decode (REASONS index).
+_OK, _FIELD_COUNT, _BAD_LABEL, _BAD_INTEGER, _BAD_TIME = range(5)
+_LF, _CR, _MINUS, _ZERO = 10, 13, 45, 48
+_MAX_DIGITS = 18
+_MS_PER_HOUR = 3_600_000
+
+# splitmix64 constants, as uint64 scalars so that numba keeps all hash arithmetic in uint64
+# (mixing int64 and uint64 would promote to float64).
+_GOLDEN = np.uint64(GOLDEN)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_SIGN_MASK = np.uint64(0x7FFF_FFFF_FFFF_FFFF)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_S8, _S16, _S24, _S32, _S40, _S48, _S56 = (np.uint64(8 * k) for k in range(1, 8))
+_U1, _U2, _U3, _U4, _U5, _U6, _U7 = (np.uint64(k) for k in range(1, 8))
+_LOW7 = np.uint64(0x7F7F_7F7F_7F7F_7F7F)
+_LFS = np.uint64(0x0A0A_0A0A_0A0A_0A0A)    # LF in every byte
+
+
+# ---------------------------------------------------------------- hashing
+
+@njit(nogil=True, cache=True)
+def mix64(x):
+    """splitmix64 finalizer of a uint64 (connectors.hashing.mix64)."""
+    x ^= x >> _S30
+    x *= _M1
+    x ^= x >> _S27
+    x *= _M2
+    x ^= x >> _S31
+    return x
+
+
+@njit(nogil=True, cache=True)
+def load_word(buf, pos, n):
+    """The first `n` (0..8) bytes at buf[pos] as a little-endian uint64, higher bytes zero
+    (= ``word_view(buf)[pos] & _LEN_MASK[n]``).
+
+    Always reads 8 bytes (the buffer's slack keeps that inside), written out so
+    that LLVM combines them into one 64-bit load, then masks: a loop over `n`
+    bytes costs several times more."""
+    # Unsigned indices: numba then skips its negative-index fixup, which would
+    # otherwise keep LLVM from merging the eight loads.
+    p = np.uint64(pos)
+    word = (np.uint64(buf[p]) | np.uint64(buf[p + _U1]) << _S8
+            | np.uint64(buf[p + _U2]) << _S16 | np.uint64(buf[p + _U3]) << _S24
+            | np.uint64(buf[p + _U4]) << _S32 | np.uint64(buf[p + _U5]) << _S40
+            | np.uint64(buf[p + _U6]) << _S48 | np.uint64(buf[p + _U7]) << _S56)
+    return word & _LEN_MASK[n]
+
+
+@njit(nogil=True, cache=True)
+def hash_span(buf, start, length, salt):
+    """Key of the token buf[start:start+length] in the field with `salt`
+    (connectors.hashing.hash_spans for one span): one mix per 8-byte chunk,
+    and one zero chunk for an empty token."""
+    state = np.uint64(length) * _GOLDEN + salt
+    state = mix64(state ^ load_word(buf, start, min(length, 8)))
+    pos, remaining = start + 8, length - 8
+    while remaining > 0:
+        state = mix64(state ^ load_word(buf, pos, min(remaining, 8)))
+        pos += 8
+        remaining -= 8
+    return np.int64(state & _SIGN_MASK)
+
+
+# ---------------------------------------------------------------- fields
+
+@njit(nogil=True, cache=True)
+def byte_matches(word, pattern):
+    """High bit of each byte of `word` that equals the byte repeated in `pattern`, others 0.
+
+    Exact (no false positives, unlike the shorter has-zero-byte trick): a
+    byte of ``y = word ^ pattern`` is zero iff adding 0x7F to its low 7 bits
+    leaves the high bit clear and it had no high bit itself."""
+    y = word ^ pattern
+    t = (y & _LOW7) + _LOW7
+    return ~(t | y | _LOW7)
+
+
+@njit(nogil=True, cache=True)
+def split_line(buf, pos, delimiters, field_ends):
+    """Scan the line at `pos` up to its LF; returns (its number of fields, LF position).
+
+    The end (delimiter / LF position) of field i goes to field_ends[i] for the
+    first len(field_ends) fields; more fields are only counted.  Eight bytes
+    at a time: a byte-by-byte loop mispredicts its branch at every field
+    (~40 a Criteo line); this one iterates the separators of a word by their
+    bit positions.  It may read up to 7 bytes past the LF: the next line, or
+    the buffer's slack after the last one.  `delimiters` is the delimiter
+    byte repeated 8 times."""
+    n_fields, capacity = 0, len(field_ends)
+    while True:
+        word = load_word(buf, pos, 8)
+        found = byte_matches(word, delimiters) | byte_matches(word, _LFS)
+        while found:
+            at = pos + (trailing_zeros(found) >> 3)
+            if n_fields < capacity:
+                field_ends[n_fields] = at
+            n_fields += 1
+            if buf[at] == _LF:
+                return n_fields, at
+            found &= found - np.uint64(1)
+        pos += 8
+
+
+@njit(nogil=True, cache=True)
+def parse_label(buf, start, end):
+    """"0" / "1" -> 0 / 1; -1 for anything else (decode.parse_labels)."""
+    if end - start != 1:
+        return -1
+    digit = np.int64(buf[start]) - _ZERO
+    return digit if digit == 0 or digit == 1 else -1
+
+
+@njit(nogil=True, cache=True)
+def parse_int(buf, start, end):
+    """Decimal integer (optional leading '-', 1..18 digits) -> (value, ok) (decode.parse_ints).
+
+    An empty span is ok with value 0 (a missing value; callers check the length)."""
+    if end == start:
+        return 0, True
+    negative = buf[start] == _MINUS
+    first = start + 1 if negative else start
+    if end == first or end - first > _MAX_DIGITS:      # a lone '-', or may not fit int64
+        return 0, False
+    value = 0
+    for pos in range(first, end):
+        digit = np.int64(buf[pos]) - _ZERO
+        if digit < 0 or digit > 9:
+            return 0, False
+        value = value * 10 + digit
+    return (-value if negative else value), True
+
+
+@njit(nogil=True, cache=True)
+def count_lines(buf, n_bytes):
+    n = 0
+    for i in range(n_bytes):
+        if buf[i] == _LF:
+            n += 1
+    return n
+
+
+# ---------------------------------------------------------------- Criteo
+
+@njit(nogil=True, cache=True, inline="always")
+def decode_criteo_row(buf, start, fe, row, labels, dense, keys, int_keys, int_span, int_low,
+                      dense_table, cat_salt, outside_row, outside_field, outside_value, n_outside):
+    """Decode one Criteo line of 40 fields (`fe`: field ends) into `row`.
+
+    Returns (reason, n_outside): integers outside the tables are appended to
+    the outside_* arrays for `decode` to finish with numpy."""
+    label = parse_label(buf, start, fe[0])
+    if label < 0:
+        return _BAD_LABEL, n_outside
+    labels[row] = np.float32(label)
+    int_high = int_low + int_span - 1
+    for j in range(13):
+        s, e = fe[j] + 1, fe[j + 1]
+        value, ok = parse_int(buf, s, e)
+        if not ok:
+            return _BAD_INTEGER, n_outside
+        base = j * int_span
+        if e == s:                                         # missing: the field's last table slot
+            keys[row, j] = int_keys[base + int_span - 1]
+            dense[row, j] = np.float32(0.0)
+        elif int_low <= value < int_high:
+            keys[row, j] = int_keys[base + value - int_low]
+            dense[row, j] = dense_table[value - int_low]
+        else:                                              # rare: needs a log, done by numpy
+            outside_row[n_outside] = row
+            outside_field[n_outside] = j
+            outside_value[n_outside] = value
+            n_outside += 1
+    for k in range(26):
+        s = fe[13 + k] + 1
+        keys[row, 13 + k] = hash_span(buf, s, fe[14 + k] - s, cat_salt[k])
+    return _OK, n_outside
+
+
+@njit(nogil=True, cache=True)
+def decode_criteo_lines(buf, n_bytes, delimiters, labels, dense, keys, event_time_ms, reason,
+                        line_start, line_lf, int_keys, int_span, int_low, dense_table, cat_salt,
+                        outside_row, outside_field, outside_value):
+    """All lines of buf[:n_bytes] -> columns (one row per line, rejected too); returns n_outside."""
+    fe = np.empty(40, np.int64)
+    pos = row = n_outside = 0
+    while pos < n_bytes:
+        n_fields, lf = split_line(buf, pos, delimiters, fe)
+        line_start[row], line_lf[row] = pos, lf
+        event_time_ms[row] = -1
+        if n_fields != 40:
+            reason[row] = _FIELD_COUNT
+        else:
+            if buf[lf - 1] == _CR:                          # the last field ends before a CR
+                fe[39] -= 1
+            reason[row], n_outside = decode_criteo_row(
+                buf, pos, fe, row, labels, dense, keys, int_keys, int_span, int_low, dense_table,
+                cat_salt, outside_row, outside_field, outside_value, n_outside)
+        pos = lf + 1
+        row += 1
+    return n_outside
+
+
+# ---------------------------------------------------------------- Avazu
+
+@njit(nogil=True, cache=True)
+def days_from_civil(year, month, day):
+    """Days since 1970-01-01 (decode.days_from_civil, scalar; numba's // floors like numpy's)."""
+    y = year - (1 if month <= 2 else 0)
+    era = y // 400
+    yoe = y - era * 400
+    doy = (153 * (month - 3 if month > 2 else month + 9) + 2) // 5 + day - 1
+    doe = yoe * 365 + yoe // 4 - yoe // 100 + doy
+    return era * 146097 + doe - 719468
+
+
+@njit(nogil=True, cache=True)
+def parse_avazu_hour(buf, start, end, days_in_month):
+    """YYMMDDHH (UTC, 20YY) -> hours since the epoch, or -1 if invalid (decode.parse_avazu_hour)."""
+    if end - start != 8 or buf[start] == _MINUS:
+        return -1
+    value, ok = parse_int(buf, start, end)
+    if not ok:
+        return -1
+    yy, mm, dd, hh = value // 1_000_000, value // 10_000 % 100, value // 100 % 100, value % 100
+    year = 2000 + yy
+    leap = year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
+    if mm < 1 or mm > 12 or hh > 23:
+        return -1
+    month_days = days_in_month[mm] + (1 if leap and mm == 2 else 0)
+    if dd < 1 or dd > month_days:
+        return -1
+    return days_from_civil(year, mm, dd) * 24 + hh
+
+
+@njit(nogil=True, cache=True)
+def decode_avazu_row(buf, fe, row, labels, keys, event_time_ms, cat_salt, hour_keys, weekday_keys,
+                     days_in_month):
+    """Decode one Avazu line of 24 fields (`fe`: field ends) into `row`; returns its reason."""
+    label = parse_label(buf, fe[0] + 1, fe[1])
+    if label < 0:
+        return _BAD_LABEL
+    labels[row] = np.float32(label)
+    hours = parse_avazu_hour(buf, fe[1] + 1, fe[2], days_in_month)
+    if hours < 0:
+        return _BAD_TIME
+    for k in range(21):
+        s = fe[2 + k] + 1
+        keys[row, k] = hash_span(buf, s, fe[3 + k] - s, cat_salt[k])
+    keys[row, 21] = hour_keys[hours % 24]                     # hour of day, UTC
+    keys[row, 22] = weekday_keys[(hours // 24 + 3) % 7]       # day of week, Monday = 0
+    event_time_ms[row] = hours * _MS_PER_HOUR
+    return _OK
+
+
+@njit(nogil=True, cache=True)
+def decode_avazu_lines(buf, n_bytes, delimiters, labels, keys, event_time_ms, reason,
+                       line_start, line_lf, cat_salt, hour_keys, weekday_keys, days_in_month):
+    """All lines of buf[:n_bytes] -> columns (one row per line, rejected too)."""
+    fe = np.empty(24, np.int64)
+    pos = row = 0
+    while pos < n_bytes:
+        n_fields, lf = split_line(buf, pos, delimiters, fe)
+        line_start[row], line_lf[row] = pos, lf
+        if n_fields != 24:
+            reason[row] = _FIELD_COUNT
+        else:
+            if buf[lf - 1] == _CR:                          # the last field ends before a CR
+                fe[23] -= 1
+            reason[row] = decode_avazu_row(buf, fe, row, labels, keys, event_time_ms, cat_salt,
+                                           hour_keys, weekday_keys, days_in_month)
+        pos = lf + 1
+        row += 1
+
+
+# ---------------------------------------------------------------- driver
+
+class _Tables:
+    """Inputs of the kernels that the numpy path computes (so they are its exact values)."""
+
+    def __init__(self) -> None:
+        ints = _np_decode._CRITEO_INT_KEYS
+        self.int_keys = np.ascontiguousarray(ints.table)
+        self.int_span = np.int64(ints.span)
+        self.int_low = np.int64(ints.LOW)
+        values = np.arange(ints.LOW, ints.HIGH, dtype=np.int64)
+        self.dense_table = np.empty(len(values), np.float32)
+        _np_decode._signed_log1p_into(values, self.dense_table)
+        self.criteo_salt = np.ascontiguousarray(_np_decode._CRITEO_CAT_SALT)
+        self.avazu_salt = np.ascontiguousarray(_np_decode._AVAZU_CAT_SALT)
+        self.hour_keys = np.ascontiguousarray(_np_decode._HOUR_OF_DAY_KEYS)
+        self.weekday_keys = np.ascontiguousarray(_np_decode._DAY_OF_WEEK_KEYS)
+        self.days_in_month = np.ascontiguousarray(_np_decode._DAYS_IN_MONTH)
+
+
+_TABLES: _Tables | None = None
+
+
+def decode(buf: np.ndarray, n_bytes: int, fmt: RecordFormat):
+    """Decode the LF-terminated lines of buf[:n_bytes] (8 bytes of slack after them).
+
+    Returns (columns, line_start, line_lf) as `decode_buffer`'s block loop
+    fills them: a `decode._Columns` with one row per line, rejected lines
+    included (their reason set, their other values unspecified).
+    """
+    global _TABLES
+    if _TABLES is None:
+        _TABLES = _Tables()
+    t = _TABLES
+    n_lines = count_lines(buf, n_bytes)
+    cols = _np_decode._Columns.empty(n_lines, fmt)
+    line_start, line_lf = np.empty(n_lines, np.int64), np.empty(n_lines, np.int64)
+    delimiters = np.uint64(fmt.delimiter_byte * 0x0101_0101_0101_0101)   # in every byte
+    if fmt.name == "criteo":
+        # Worst case every integer is outside the tables; np.empty only reserves the pages.
+        outside_row = np.empty(n_lines * 13, np.int64)
+        outside_field = np.empty(n_lines * 13, np.int64)
+        outside_value = np.empty(n_lines * 13, np.int64)
+        n_outside = decode_criteo_lines(
+            buf, n_bytes, delimiters, cols.labels, cols.dense, cols.keys, cols.event_time_ms,
+            cols.reason, line_start, line_lf, t.int_keys, t.int_span, t.int_low, t.dense_table,
+            t.criteo_salt, outside_row, outside_field, outside_value)
+        if n_outside:
+            _finish_outside_ints(cols, outside_row[:n_outside], outside_field[:n_outside],
+                                 outside_value[:n_outside])
+    elif fmt.name == "avazu":
+        decode_avazu_lines(buf, n_bytes, delimiters, cols.labels, cols.keys, cols.event_time_ms,
+                           cols.reason, line_start, line_lf, t.avazu_salt, t.hour_keys,
+                           t.weekday_keys, t.days_in_month)
+    else:
+        raise ValueError(f"no compiled decoder for format {fmt.name!r}")
+    return cols, line_start, line_lf
+
+
+def _finish_outside_ints(cols, rows: np.ndarray, fields: np.ndarray, values: np.ndarray) -> None:
+    """Keys and dense values of Criteo integers outside the tables, with the numpy path's functions."""
+    cols.keys[rows, fields] = _np_decode.hash_ints(_np_decode.criteo_buckets(values), fields)
+    dense = np.empty(len(values), np.float32)
+    _np_decode._signed_log1p_into(values, dense)
+    cols.dense[rows, fields] = dense
