@@ -97,7 +97,8 @@ from connectors.kafka_decode import decode_messages, event_order
 from connectors.kafka_listener import Listener
 from connectors.kafka_options import KafkaUrl, check_crc32c, partition_name, start_timestamp_ms
 from connectors.kafka_positions import (Position, PositionBook, commit_metadata, filter_partitions,
-                                        from_positions, parse_commit_metadata, to_positions)
+                                        from_positions, given_up_positions, parse_commit_metadata,
+                                        to_positions)
 
 log = logging.getLogger("connectors.kafka")
 RevokeHook = Callable[[list[str], bool], None]     # (partition names, lost) -> None
@@ -162,7 +163,12 @@ class KafkaSource:
         self.crc32c = check_crc32c()
         self._on_revoke = on_revoke
         self._book = PositionBook()
-        self._initial = from_positions(positions or {})    # the checkpoint's, first assignment only
+        # The checkpoint's positions serve the first assignment only; the partitions it
+        # had given up continue like ones given up in this process (see PositionBook).
+        self._initial = from_positions(positions or {})
+        self._book.released.update(given_up_positions(positions or {}))
+        for name in self._book.released:
+            self._initial.pop(name, None)
         self._joined = False                                # the group assigned us (maybe nothing)
         self._unpositioned: set[str] = set()                # assigned, paused until seeked
         self._buffer: deque[Batch] = deque()
@@ -245,8 +251,8 @@ class KafkaSource:
 
     @property
     def trained_positions(self) -> Positions:
-        """Positions after everything reported trained: owned partitions, plus
-        partitions given up without a commit (see `PositionBook.uncommitted`)."""
+        """Positions after everything reported trained: owned partitions, plus the
+        ones given up, marked so (see `PositionBook.released`)."""
         return self._book.checkpoint_positions()
 
     def owned_rows(self, batch: Batch) -> Batch:
@@ -466,9 +472,7 @@ class KafkaSource:
         self._buffer = deque(b for b in (filter_partitions(b, gone) for b in self._buffer) if len(b))
         self._buffered = sum(map(len, self._buffer))
         self._unpositioned -= gone
-        positions = self._book.release(names)
-        if lost:                            # nobody learns these positions from the group
-            self._book.uncommitted.update(positions)
+        positions = self._book.release(names)     # checkpoints keep them from here on
         log.info("kafka: partitions %s %s", ", ".join(names),
                  "lost (group membership expired)" if lost else "revoked by a rebalance")
         if self._on_revoke is not None:

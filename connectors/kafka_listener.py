@@ -40,10 +40,6 @@ class Listener(AsyncConsumerRebalanceListener):
             source.stats.commits += 1
         except Exception as e:              # noqa: BLE001 - logged; checkpoints keep the positions
             source.stats.commit_failures += 1
-            book = source._book
-            book.uncommitted.update({name: book.released[name] for name in
-                                     (f"{tp.topic}/{tp.partition}" for tp in offsets)
-                                     if name in book.released})
             log.warning("kafka: commit on revocation failed (%s); the next owner of %s may "
                         "re-read records this trainer already trained",
                         e, ", ".join(sorted(f"{tp.topic}/{tp.partition}" for tp in offsets)))

@@ -22,15 +22,18 @@ import numpy as np
 from connectors.batch import Batch, Positions
 
 ROWS_DONE = "#rows_done"
+GIVEN_UP = "#given_up"               # = 1: the source did not own the partition at the time
 Position = tuple[int, int]           # (offset, rows_done)
 
 
-def to_positions(state: dict[str, Position]) -> Positions:
+def to_positions(state: dict[str, Position], given_up: frozenset[str] | set[str] = frozenset()) -> Positions:
     out: Positions = {}
     for name, (offset, rows_done) in sorted(state.items()):
         out[name] = offset
         if rows_done:
             out[name + ROWS_DONE] = rows_done
+        if name in given_up:
+            out[name + GIVEN_UP] = 1
     return out
 
 
@@ -38,10 +41,17 @@ def from_positions(positions: Positions) -> dict[str, Position]:
     """The Kafka partitions ("topic/p") of a checkpoint's positions; other keys are ignored."""
     out: dict[str, Position] = {}
     for name, offset in positions.items():
-        if name.endswith(ROWS_DONE) or "/" not in name or name.startswith("file:"):
+        if name.endswith((ROWS_DONE, GIVEN_UP)) or "/" not in name or name.startswith("file:"):
             continue
         out[name] = (int(offset), int(positions.get(name + ROWS_DONE, 0)))
     return out
+
+
+def given_up_positions(positions: Positions) -> dict[str, Position]:
+    """The partitions of `positions` that their source had given up (a rebalance, a
+    lost membership) when they were taken: where it left them, not where it stood."""
+    return {name: position for name, position in from_positions(positions).items()
+            if positions.get(name + GIVEN_UP)}
 
 
 def commit_metadata(rows_done: int) -> str:
@@ -70,11 +80,13 @@ class PositionBook:
       positioned inside (resume into a split packed message);
     - `message_rows`: good rows of packed messages still in flight, so the
       fold knows whether a batch finished a message;
-    - `released`: last trained position of partitions given up in this
-      process (a rebalance or a lost group), used if they come back;
-    - `uncommitted`: the released ones whose position could not be committed
-      (membership lost, commit failed): checkpoints keep them, or a restart
-      would fall back to an older group offset and train their records twice.
+    - `released`: last trained position of partitions given up (a rebalance
+      or a lost group) in this process, or in the run a checkpoint resumes.
+      Checkpoints keep them, marked given up: the model holds those records,
+      and the group's offset may not (the commit on revocation can fail, the
+      membership can be lost before it, a broker can drop the rows_done
+      metadata); a partition that comes back continues after the furthest of
+      this position and the group's offset.
     """
     trained: dict[str, Position] = field(default_factory=dict)
     returned: dict[str, Position] = field(default_factory=dict)
@@ -82,12 +94,10 @@ class PositionBook:
     skip: dict[str, Position] = field(default_factory=dict)
     message_rows: dict[str, dict[int, int]] = field(default_factory=dict)
     released: dict[str, Position] = field(default_factory=dict)
-    uncommitted: dict[str, Position] = field(default_factory=dict)
 
     def own(self, name: str, position: Position) -> None:
         """Start owning `name` at `position` (the consumer was seeked to its offset)."""
         self.trained[name] = self.returned[name] = position
-        self.uncommitted.pop(name, None)
         self.fetch_next[name] = position[0]
         self.message_rows[name] = {}
         if position[1]:
@@ -109,8 +119,9 @@ class PositionBook:
         return sorted(self.trained)
 
     def checkpoint_positions(self) -> Positions:
-        """What a checkpoint stores: owned partitions, and given-up ones nobody got from us."""
-        return to_positions({**self.uncommitted, **self.trained})
+        """What a checkpoint stores: owned partitions, and given-up ones marked as such."""
+        given_up = set(self.released) - set(self.trained)
+        return to_positions({**self.released, **self.trained}, given_up)
 
     def note_fetched(self, name: str, offsets: np.ndarray, rows_per_message: np.ndarray) -> None:
         """Record a fetched run of messages of `name` (ascending offsets)."""

@@ -12,9 +12,19 @@ a packed message share it).  `write()` returns only once the broker has
 acknowledged every record (retrying through outages), so a record is never
 checkpointed past without being on the dead-letter topic.  It is at-least-once:
 records re-read after a crash are dead-lettered again.
+
+A record longer than `RAW_LIMIT_BYTES` keeps only its first bytes in `raw`,
+with ``"raw_bytes"`` (its length) and ``"raw_sha256"``: one oversized bad line
+must not make a message the broker refuses (JSON escaping can grow a line
+sixfold), which would stop the stream at that record on every restart.  The
+whole record stays at its partition/offset in the source topic.  An error the
+broker will not get over by retrying (a message too large for it, no
+permission to write the topic) is a `SourceError` naming the topic, not an
+endless retry.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -25,6 +35,7 @@ from connectors.files import SourceError
 from connectors.kafka_options import KafkaUrl, client_config, split_partition_name
 
 log = logging.getLogger("connectors.kafka")
+RAW_LIMIT_BYTES = 64 << 10        # of a rejected record kept in its dead-letter message
 
 
 def make_producer(url: KafkaUrl, **settings):
@@ -110,15 +121,30 @@ class KafkaDeadLetter:
             return
         if self._producer is None:
             raise ValueError(f"dead-letter topic {self.topic} is closed")
+        from kafka.errors import KafkaError
         pending = list(rejected)
         delay = 0.5
         while pending:
-            sends = [(r, self._send(r)) for r in pending]
+            sends, failed = [], []
+            for r in pending:
+                try:
+                    sends.append((r, self._send(r)))
+                except KafkaError as e:         # refused before sending (e.g. too large)
+                    failed.append((r, e))
             self._producer.flush()
-            pending = [r for r, future in sends if future.failed()]
+            failed += [(r, future.exception) for r, future in sends if future.failed()]
+            final = [(r, e) for r, e in failed if not getattr(e, "retriable", True)]
+            if final:
+                r, e = final[0]
+                raise SourceError(
+                    f"dead-letter topic {self.topic}: the broker refuses the record from "
+                    f"{r.partition} offset {r.offset} ({type(e).__name__}: {e}); fix the topic's "
+                    f"permissions or size limits, or set kafka.dead_letter_topic = \"\" to write "
+                    f"rejected records to the run's dead-letter file")
+            pending = [r for r, _ in failed]
             if pending:
                 log.warning("kafka: %d dead-letter records not acknowledged (%s); retrying in %.1f s",
-                            len(pending), sends[0][1].exception, delay)
+                            len(pending), failed[0][1], delay)
                 time.sleep(delay)
                 delay = min(delay * 2, self._retry_max_s)
         self.counts.update(r.reason for r in rejected)
@@ -126,7 +152,9 @@ class KafkaDeadLetter:
     def _send(self, r: Rejected):
         topic, partition = split_partition_name(r.partition)
         value = {"topic": topic, "partition": partition, "offset": r.offset, "reason": r.reason,
-                 "raw": r.raw.decode("utf-8", errors="replace")}
+                 "raw": r.raw[:RAW_LIMIT_BYTES].decode("utf-8", errors="replace")}
+        if len(r.raw) > RAW_LIMIT_BYTES:
+            value.update(raw_bytes=len(r.raw), raw_sha256=hashlib.sha256(r.raw).hexdigest())
         return self._producer.send(
             self.topic, key=r.partition.encode(), value=json.dumps(value, ensure_ascii=False).encode(),
             headers=[("reason", r.reason.encode()), ("source_partition", r.partition.encode()),

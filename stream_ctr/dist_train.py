@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from connectors.batch import Batch, Rejected
 from connectors.files import FileSource
+from connectors.kafka_positions import filter_partitions
 from stream_ctr import job_checkpoint as jobs
 from stream_ctr.config import Config
 from stream_ctr.distributed import (DenseMerger, DistContext, DistributedError, agree, collective,
@@ -132,6 +133,7 @@ class DistributedRun(Run):
         self.checkpoint_wanted = False    # a Kafka rebalance asks for a job checkpoint
         self._feed = None
         self._ready: list[Batch] = []      # stream batches cut but not yet trained
+        self.in_hand: Batch | None = None   # the batch of the step the ranks are agreeing on
         self._done = False
 
     # -- this rank's share of the data -------------------------------------------------
@@ -153,8 +155,17 @@ class DistributedRun(Run):
         at the next step all ranks agree on. The source then commits the revoked
         partitions' trained offsets for their next owner; should the job crash before
         its checkpoint, a resume starts every partition from the last job manifest
-        (`merged_stream_positions`), so nothing trained after it is lost or repeated."""
+        (`merged_stream_positions`), so nothing trained after it is lost or repeated.
+
+        Every untrained row of those partitions goes: the batcher's, the cut batches'
+        and the batch in hand's (this runs while the ranks agree on its step).  If
+        the partitions come straight back to this rank, they continue at the trained
+        position and those rows are read again."""
+        gone = set(partitions)
         self.batcher.discard(partitions)
+        self._ready = [b for b in (filter_partitions(b, gone) for b in self._ready) if len(b)]
+        if self.in_hand is not None:
+            self.in_hand = filter_partitions(self.in_hand, gone)
         self.positions = self.source.trained_positions
         self.checkpoint_wanted = self.checkpoint_wanted or not lost
 
@@ -362,12 +373,13 @@ def train_distributed(cfg: Config, resume: str | None = None,
         every = cfg.train.checkpoint_every_batches
         with StopSignal() as stop, run:
             while True:
-                batch = None if stop.requested else run.next_batch(stop)
+                run.in_hand = None if stop.requested else run.next_batch(stop)
                 # Agree: steps are collectives, so either every rank steps or none.
                 anyone_has, anyone_reading, anyone_stops, rebalanced, handover = agree(
-                    [batch is not None, run.reading, stop.requested, run.checkpoint_wanted,
+                    [run.in_hand is not None, run.reading, stop.requested, run.checkpoint_wanted,
                      run.positions_wanted],
                     while_waiting=run.keep_polling if run.stream is not None else None)
+                batch, run.in_hand = run.in_hand, None    # a rebalance meanwhile has filtered it
                 if handover:              # a rank got partitions: where did the others leave them?
                     run.exchange_positions()
                 if anyone_stops or not (anyone_has or anyone_reading):

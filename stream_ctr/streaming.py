@@ -132,13 +132,17 @@ def revoke_hook(run: "Run"):
     """The KafkaSource's `on_revoke`: runs while the trainer is between steps.
 
     Rows of the revoked partitions that were read but not trained are dropped
-    (the partitions' next owner reads them); then, unless the membership was
-    lost (no commit is possible then), the model is checkpointed so that what
-    was trained from those partitions is durable before the source commits
-    their offsets for the next owner.
+    (the partitions' next owner reads them; if that is this member again, it
+    continues at the trained position and reads them again); then, unless the
+    membership was lost (no commit is possible then), the model is checkpointed
+    so that what was trained from those partitions is durable before the source
+    commits their offsets for the next owner.  The checkpoint keeps the revoked
+    partitions' positions, marked given up (see `PositionBook.released`).
     """
     def on_revoke(partitions: list[str], lost: bool) -> None:
         run.batcher.discard(partitions)
+        if run.lookahead is not None:
+            run.lookahead.discard(partitions)
         run.positions = run.source.trained_positions
         if not lost:
             run.checkpoint(commit=False)        # the source commits once this returns

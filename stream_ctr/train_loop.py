@@ -18,6 +18,7 @@ import torch
 from connectors.batch import Batch
 from connectors.dead_letter import DeadLetterFile
 from connectors.files import FileSource, count_records, detect_format
+from connectors.kafka_positions import filter_partitions
 from stream_ctr.batcher import MicroBatcher
 from stream_ctr.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
 from stream_ctr.config import Config, ConfigError, validate
@@ -90,18 +91,36 @@ def micro_batches(source: FileSource, batch_size: int, dead_letter: DeadLetterFi
         yield rest.slice(0, limit_records - emitted) if limit_records >= 0 else rest
 
 
-def with_next(batches: Iterator[Batch], lookahead: bool) -> Iterator[tuple[Batch, Batch | None]]:
-    """(batch, the one after it or None); reads one batch ahead only when `lookahead`."""
-    if not lookahead:
-        for batch in batches:
-            yield batch, None
-        return
-    current = next(batches, None)
-    for upcoming in batches:
-        yield current, upcoming
-        current = upcoming
-    if current is not None:
-        yield current, None
+class LookAhead:
+    """(batch, the one after it or None) pairs from `batches`; with `enabled`, one batch
+    is read ahead (a tiered store prefetches its rows while the current one trains).
+
+    The batch held ahead is read but not trained, so a rebalance during the read
+    after it must drop its rows of the revoked partitions (`discard`, called by the
+    revoke hook) -- even if the same partitions come straight back to this member:
+    they then continue at their trained position, and those rows are read again.
+    """
+
+    def __init__(self, batches: Iterator[Batch], enabled: bool) -> None:
+        self._batches, self._enabled = batches, enabled
+        self._held: Batch | None = None
+
+    def __iter__(self) -> Iterator[tuple[Batch, Batch | None]]:
+        if not self._enabled:
+            for batch in self._batches:
+                yield batch, None
+            return
+        self._held = next(self._batches, None)
+        for upcoming in self._batches:          # a read: the revoke hook may discard from _held
+            current, self._held = self._held, upcoming
+            yield current, upcoming
+        if self._held is not None:
+            current, self._held = self._held, None
+            yield current, None
+
+    def discard(self, partitions: list[str]) -> None:
+        if self._held is not None:
+            self._held = filter_partitions(self._held, set(partitions))
 
 
 class StopSignal:
@@ -163,6 +182,7 @@ class Run:
         self.dead_letter = open_dead_letter(cfg, self.stream)     # a file, or the dead-letter topic
         # A stream's batcher lives in the run: a rebalance drops its rows of revoked partitions.
         self.batcher = StreamBatcher(cfg.data.batch_size) if self.stream is not None else None
+        self.lookahead: LookAhead | None = None      # ... and so does the batch read ahead
         self.summary = RunSummary(dead_letter_path=str(self.dead_letter.path))
         self.remaining = cfg.data.limit_records or -1      # -1: no limit
         self.rows_touched = self.rows_clipped = self.rows_at_floor = 0
@@ -296,7 +316,8 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
             with run.open_source() as source:
                 batches = run.batches(source, stop)
                 # A tiered store prefetches the next batch's rows while this one trains.
-                for batch, upcoming in with_next(batches, cfg.store.kind == "tiered"):
+                run.lookahead = LookAhead(batches, cfg.store.kind == "tiered")
+                for batch, upcoming in run.lookahead:
                     batch = run.owned(batch)    # a rebalance during the look-ahead read?
                     if not len(batch):
                         continue

@@ -1,5 +1,6 @@
 """KafkaSource against a real broker: offsets, resume, commit, backpressure, errors, dead letters."""
 import gzip
+import threading
 import time
 
 import numpy as np
@@ -9,17 +10,18 @@ from connectors.batch import Batch, Rejected
 from connectors.files import SAMPLE_PATHS, SourceError
 from connectors.kafka import KafkaSource
 from connectors.kafka_options import parse_kafka_url
-from connectors.kafka_positions import ROWS_DONE
+from connectors.kafka_positions import GIVEN_UP, ROWS_DONE
 from connectors.kafka_sink import KafkaDeadLetter
 from tests.kafka_broker import kafka_test_options
 
 LINES = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:3000]
 
 
-def open_source(kafka, topic, group, positions=None, **options):
+def open_source(kafka, topic, group, positions=None, on_revoke=None, **options):
     options.setdefault("stop_when_idle_s", 1.5)
+    chunk = options.pop("chunk", 700)
     url = parse_kafka_url(kafka.url(topic, group), kafka_test_options(**options))
-    return KafkaSource(url, positions=positions, chunk_records=options.pop("chunk", 700))
+    return KafkaSource(url, positions=positions, on_revoke=on_revoke, chunk_records=chunk)
 
 
 def drain(source, max_records=None, train=True):
@@ -114,6 +116,27 @@ def test_dead_letter_topic_holds_reason_partition_offset(kafka):
         ("clicks", 2, 41, "bad_integer", "0\t1\tx"), ("clicks", 0, 7, "field_count", "1\t2")}
 
 
+def test_an_oversized_bad_record_is_dead_lettered_in_part_and_a_refusal_is_one_clear_error(
+        kafka, monkeypatch):
+    """A 3 MB bad line of control bytes is ~18 MB of JSON: more than a producer request
+    may carry, so without the cap every restart would stop at it."""
+    import hashlib
+    from connectors import kafka_sink
+    topic = kafka.topic(prefix="dlq-big")
+    raw = b"\x01" * 3_000_000
+    url = parse_kafka_url(kafka.url(topic), kafka_test_options())
+    with KafkaDeadLetter(url, topic) as sink:
+        sink.write([Rejected("clicks/0", 9, "field_count", raw)])
+    (letter,) = kafka.dead_letters(topic)
+    assert letter["raw"] == "\x01" * kafka_sink.RAW_LIMIT_BYTES
+    assert letter["raw_bytes"] == len(raw) and letter["raw_sha256"] == hashlib.sha256(raw).hexdigest()
+    # An error retrying cannot fix is one clear error, not a retry loop.
+    monkeypatch.setattr(kafka_sink, "RAW_LIMIT_BYTES", 1 << 30)
+    with KafkaDeadLetter(url, topic) as sink:
+        with pytest.raises(SourceError, match="dead-letter topic .* refuses the record from clicks/0 offset 9"):
+            sink.write([Rejected("clicks/0", 9, "field_count", raw)])
+
+
 def test_missing_topic_and_unreachable_broker_are_one_clear_error(kafka):
     with pytest.raises(SourceError, match="does not exist"):
         open_source(kafka, "no-such-topic-xyz", "g")
@@ -136,3 +159,58 @@ def test_start_position_when_neither_checkpoint_nor_group_has_one(kafka):
     with open_source(kafka, topic, "g-start") as source:
         rest = drain(source)
     assert first.offset.tolist() == [0, 1, 2, 3] and rest.offset.tolist() == list(range(4, 10))
+
+
+def test_a_revocation_checkpoint_keeps_the_revoked_positions_and_a_resume_uses_them(kafka):
+    """The revoke hook checkpoints the model; its positions must hold the revoked
+    partitions (marked given up), or a crash before the next checkpoint resumes them
+    from the group's offset -- which on tansu has lost the rows_done of a packed
+    message split by a batch (the broker drops commit metadata), or which is older
+    when the commit on revocation failed."""
+    from kafka import KafkaConsumer
+    topic = kafka.topic(partitions=2)
+    values = [b"\n".join(LINES[i:i + 50]) for i in range(0, 400, 50)]    # 8 messages of 50 lines
+    kafka.produce(topic, values, partitions=[i % 2 for i in range(8)])
+    at_revocation = []
+    source = open_source(kafka, topic, "g-given-up", stop_when_idle_s=0, chunk=30,
+                         on_revoke=lambda names, lost: at_revocation.append(source.trained_positions))
+    trained = []
+    while sum(map(len, trained)) < 120:           # 4 batches of 30 split packed messages
+        batch, _ = source.read(30)
+        if len(batch):
+            source.trained(batch)
+            trained.append(batch)
+    leave = threading.Event()
+
+    def second_member():
+        consumer = KafkaConsumer(topic, bootstrap_servers=kafka.bootstrap,
+                                 group_id=kafka.group("g-given-up", topic), enable_auto_commit=False,
+                                 session_timeout_ms=6000, heartbeat_interval_ms=1000)
+        while not leave.is_set():
+            consumer.poll(200, max_records=1)
+        consumer.close(autocommit=False)
+
+    member = threading.Thread(target=second_member, daemon=True)
+    member.start()
+    deadline = time.monotonic() + 60
+    while not at_revocation and time.monotonic() < deadline:
+        source.read(30)                           # rows read now are not trained: a "crash"
+    leave.set()
+    member.join(timeout=30)
+    source.close()
+    assert at_revocation, "no rebalance within 60 s"
+    checkpoint = at_revocation[0]
+    names = [f"{topic}/0", f"{topic}/1"]
+    split = [n for n in names if checkpoint.get(n + ROWS_DONE)]
+    assert split and all(checkpoint.get(n + GIVEN_UP) == 1 for n in names), checkpoint
+    # Resume from that checkpoint (in a new group: nothing but the checkpoint says where
+    # to go on): every record once, counting the 120 trained before the revocation.
+    with open_source(kafka, topic, "g-given-up-resumed", positions=checkpoint) as resumed:
+        rest = drain(resumed)
+    everything = sorted(pairs for b in trained + [rest]
+                        for pairs in zip(np.array(b.partitions)[b.partition].tolist(), b.offset.tolist()))
+    assert len(everything) == 400
+    per_message = {}
+    for name, offset in everything:
+        per_message[(name, offset)] = per_message.get((name, offset), 0) + 1
+    assert set(per_message.values()) == {50} and len(per_message) == 8

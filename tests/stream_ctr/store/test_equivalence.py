@@ -2,7 +2,7 @@
 import torch
 
 from stream_ctr.checkpoint import load_checkpoint
-from stream_ctr.train_loop import configure_torch, train, with_next
+from stream_ctr.train_loop import LookAhead, configure_torch, train
 from stream_ctr.trainer import Trainer
 from tests.stream_ctr.store.helpers import (assert_same_rows, criteo_batches, lmdb_rows,
                                             small_config, sorted_memory_rows)
@@ -11,7 +11,7 @@ from tests.stream_ctr.store.helpers import (assert_same_rows, criteo_batches, lm
 def run_steps(cfg, batches, lookahead):
     configure_torch(cfg)
     trainer = Trainer(cfg, batches[0].n_fields, batches[0].n_dense)
-    probs = [trainer.train_step(b, nxt).probs for b, nxt in with_next(iter(batches), lookahead)]
+    probs = [trainer.train_step(b, nxt).probs for b, nxt in LookAhead(iter(batches), lookahead)]
     return trainer, torch.cat(probs)
 
 
