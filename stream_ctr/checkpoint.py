@@ -11,9 +11,16 @@ Layout of CHECKPOINT_DIR::
                            tiered store, the LMDB generation it committed
 
 A checkpoint is written into a temporary directory, fsynced, then renamed into
-place; only then does LATEST move. A crash at any point leaves the previous
-checkpoint valid and LATEST pointing at it. The source positions inside are the
-offsets *after* the last trained record: resuming reads exactly what follows.
+place under a name no existing directory has; only then does LATEST move, and
+only after that are older directories deleted. A crash at any point leaves
+LATEST naming a complete checkpoint: the previous one, or the new one. A step
+saved again (the end-of-run checkpoint right after a periodic one on the same
+step, a Kafka revoke) gets `ckpt-<step>-<n>`; the one it replaces is deleted
+once LATEST has moved. `keep` counts checkpoints in the order they were saved
+(`save_seq` in the manifest), not by step: a run resumed from an older
+checkpoint saves smaller steps than the ones it abandoned. The source positions
+inside are the offsets *after* the last trained record: resuming reads exactly
+what follows.
 A tiered embedding store keeps its rows in LMDB, not in tensors.pt: its
 checkpoint is one LMDB transaction (a generation) committed just before these
 files are written; resuming rolls LMDB back to that generation
@@ -24,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +40,8 @@ from typing import Any
 import torch
 
 FORMAT_VERSION = 1
+# ckpt-<step>, or ckpt-<step>-<n> for the n-th re-save of a step.
+_CKPT_RE = re.compile(r"^ckpt-(\d{8})(?:-(\d+))?$")
 
 
 class CheckpointError(RuntimeError):
@@ -72,13 +82,15 @@ def _write_file(path: Path, data: bytes) -> None:
 
 
 def save_checkpoint(directory: str | Path, state: CheckpointState, keep: int = 3) -> Path:
-    """Write `state` as checkpoint `ckpt-<step>` and point LATEST at it; returns its path.
+    """Write `state` as checkpoint `ckpt-<step>` (`ckpt-<step>-<n>` if that step was
+    saved before) and point LATEST at it; returns its path.
 
     Blocks until the files are durable (fsync). Keeps the newest `keep` checkpoints.
     """
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    name = f"ckpt-{state.step:08d}"
+    saved = _checkpoints(root)
+    name = _new_name(root, state.step)
     final = root / name
     tmp = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -92,7 +104,8 @@ def save_checkpoint(directory: str | Path, state: CheckpointState, keep: int = 3
                 "records_trained": state.records_trained, "positions": state.positions,
                 "config": state.config, "extra": state.extra}
         _write_file(tmp / "state.json", json.dumps(meta, indent=1, sort_keys=True).encode())
-        manifest = {"checkpoint": name, "format_version": FORMAT_VERSION,
+        save_seq = 1 + max((seq for seq, _ in saved), default=0)
+        manifest = {"checkpoint": name, "format_version": FORMAT_VERSION, "save_seq": save_seq,
                     "files": {n: _sha256(tmp / n) for n in ("tensors.pt", "state.json")}}
         store = state.tensors.get("trainer", {}).get("store", {}) if isinstance(state.tensors, dict) else {}
         if store.get("kind") == "tiered":
@@ -100,9 +113,9 @@ def save_checkpoint(directory: str | Path, state: CheckpointState, keep: int = 3
             manifest["embedding_store"] = {k: store[k] for k in ("store_dir", "store_id", "generation", "nonce")}
         _write_file(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
-        if final.exists():       # same step saved again (e.g. end of run right after a periodic one)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        os.rename(tmp, final)     # `name` is new: LATEST still names a complete checkpoint
+        # The rename must be durable before LATEST names it.
+        _fsync_dir(root)
         _write_file(root / ".LATEST.tmp", name.encode())
         os.replace(root / ".LATEST.tmp", root / "LATEST")
         _fsync_dir(root)
@@ -111,14 +124,49 @@ def save_checkpoint(directory: str | Path, state: CheckpointState, keep: int = 3
         raise CheckpointError(f"cannot write checkpoint in {root}: {e.strerror or e} "
                               "(check free disk space and permissions); the previous checkpoint "
                               "is still valid") from e
-    _prune(root, keep)
+    # Only now, with LATEST on the new one, may the ones it replaces go.
+    for _, old in saved:
+        if _step_of(old.name) == state.step:
+            shutil.rmtree(old, ignore_errors=True)
+    _prune(root, keep, current=final)
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
-    done = sorted(p for p in root.glob("ckpt-*") if (p / "manifest.json").exists())
-    for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+def _step_of(name: str) -> int | None:
+    m = _CKPT_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _new_name(root: Path, step: int) -> str:
+    """`ckpt-<step>`, or `ckpt-<step>-<n>` with n above every existing re-save of `step`
+    (complete or not): never the name of a directory LATEST may point at."""
+    base = f"ckpt-{step:08d}"
+    taken = [m for p in root.glob(base + "*") if (m := _CKPT_RE.match(p.name))]
+    if not taken:
+        return base
+    return f"{base}-{1 + max(int(m.group(2) or 0) for m in taken)}"
+
+
+def _checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints as (save_seq, path), oldest save first. Checkpoints written
+    before save_seq existed count as saved first, in step order."""
+    out = []
+    for p in root.glob("ckpt-*"):
+        if _step_of(p.name) is None:
+            continue
+        try:
+            manifest = json.loads((p / "manifest.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            continue            # incomplete (an interrupted delete): not a checkpoint
+        out.append((int(manifest.get("save_seq", 0)), p))
+    return sorted(out, key=lambda sp: (sp[0], _step_of(sp[1].name), sp[1].name))
+
+
+def _prune(root: Path, keep: int, current: Path) -> None:
+    """Delete all but the `keep` most recently saved checkpoints; never `current` (LATEST)."""
+    for _, old in _checkpoints(root)[:-keep]:
+        if old != current:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -161,8 +161,10 @@ class InMemoryEmbeddingStore(EmbeddingStore):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         n = len(self.index)
-        return {"keys": self.index.keys_by_row().cpu(), "weight": self.weight[:n].cpu(),
-                "exp_avg": self.exp_avg[:n].cpu(), "exp_avg_sq": self.exp_avg_sq[:n].cpu()}
+        # Copies: `.cpu()` of a CPU tensor would be a view of the rows training goes on updating.
+        return {"keys": self.index.keys_by_row().cpu(), "weight": self.weight[:n].to("cpu", copy=True),
+                "exp_avg": self.exp_avg[:n].to("cpu", copy=True),
+                "exp_avg_sq": self.exp_avg_sq[:n].to("cpu", copy=True)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if state.get("kind") == "tiered":

@@ -90,6 +90,15 @@ def new_meta(n: int, step: int, event_ms: int, device: torch.device | str = "cpu
     return meta
 
 
+def refuse_negative_keys(keys: torch.Tensor) -> None:
+    """ValueError if a key is negative. LMDB keys are big-endian unsigned bytes, so a
+    negative int64 would sort after every positive one and break the sorted reads and
+    scans; real keys are 63-bit hashes (connectors/hashing.py), never negative."""
+    if keys.numel() and bool((keys < 0).any()):
+        raise ValueError(f"embedding keys must be non-negative (63-bit feature hashes, see "
+                         f"connectors/hashing.py): got negative key {int(keys.min())}")
+
+
 def encode_keys(keys: np.ndarray) -> list[bytes]:
     """LMDB keys (8-byte big-endian) for int64 keys, in the given order."""
     return np.ascontiguousarray(keys, dtype=np.int64).astype(">u8").view("V8").tolist()

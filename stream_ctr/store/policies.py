@@ -134,10 +134,11 @@ class AdmissionSketch:
     def state_dict(self) -> dict:
         if not self.enabled:
             return {}
-        return {"table": self.table.cpu(), "since_halving": self.since_halving}
+        # A copy: `.cpu()` of a CPU tensor is the live table, which training goes on changing.
+        return {"table": self.table.to("cpu", copy=True), "since_halving": self.since_halving}
 
     def load_state_dict(self, state: dict) -> None:
         table = state.get("table")
         if table is not None and tuple(table.shape) == tuple(self.table.shape):
-            self.table = table.to(self.device)
+            self.table = table.to(self.device, copy=True)     # never adopt the caller's tensor
             self.since_halving = int(state["since_halving"])

@@ -39,7 +39,8 @@ from stream_ctr.store.errors import StoreError
 from stream_ctr.store.generations import GenerationView, commit_checkpoint, rollback
 from stream_ctr.store.host_tier import HostTier
 from stream_ctr.store.io_worker import IoWorker
-from stream_ctr.store.layout import EVENT_MS, LAST_STEP, WRITE_GEN, RowLayout, new_meta
+from stream_ctr.store.layout import (EVENT_MS, LAST_STEP, WRITE_GEN, RowLayout, new_meta,
+                                     refuse_negative_keys)
 from stream_ctr.store.lmdb_tier import LmdbTier, WriteBatch
 from stream_ctr.store.plan import StorePlan
 from stream_ctr.store.policies import AdmissionSketch, expired
@@ -97,6 +98,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
 
     def prepare(self, keys: torch.Tensor) -> torch.Tensor:
         """Slots [U] for sorted unique keys [U]; blocks on the I/O thread first."""
+        refuse_negative_keys(keys)
         self._start()
         staged = self._wait()
         self.cache.release_transient()
@@ -140,6 +142,10 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
                         transient.dirty, transient=True)
         self.cache.meta[slots, LAST_STEP] = self.clock
         self.cache.meta[slots, EVENT_MS] = self.newest_event_ms
+        # Changed metadata makes a row dirty, trained or not (a skipped step calls no
+        # `update`): else demotion would drop it and a small cache evict and expire
+        # differently from a big one. Transient rows are never written.
+        self.cache.dirty[slots[~self.cache.transient[slots]]] = True
 
         expired_rows = self._expire_resident(protect=slots)
         self._write_behind(pushed, expired_rows)
@@ -147,6 +153,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
 
     def prefetch(self, keys: torch.Tensor) -> None:
         """Read ahead, on the I/O thread, the disk rows of the next batch's unique keys."""
+        refuse_negative_keys(keys)
         if self.read_only:
             return
         cpu = keys.cpu()
@@ -249,7 +256,9 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         if len(batch):
             self.io.submit(self._write_job, batch)
         if self._disk_rows > self.plan.disk_rows or self.cfg.ttl_steps or self.cfg.ttl_seconds:
-            self.io.submit(self._sweep_job)
+            # The clocks of this step, not the ones when the job runs: the trainer observes
+            # the next batch's event time before `prepare` waits for this thread.
+            self.io.submit(self._sweep_job, self.clock, self.newest_event_ms)
 
     def _write_job(self, batch: WriteBatch) -> None:
         t0 = time.perf_counter()
@@ -261,13 +270,13 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
     def _resident(self, keys: torch.Tensor) -> torch.Tensor:
         return (self.cache.lookup(keys.to(self.device)).cpu() >= 0) | (self.ram.index.lookup(keys) >= 0)
 
-    def _sweep_job(self) -> None:
+    def _sweep_job(self, clock: int, newest_event_ms: int) -> None:
         over = self._disk_rows - self.plan.disk_rows
         ttl = self.cfg.ttl_steps
         n = max(SWEEP_MIN_ROWS, 4 * over, -(-self._disk_rows // ttl) if ttl else 0)
         batch, counts, self._sweep_from = wb.sweep(
-            self.disk, self._sweep_from, min(n, 1 << 20), over, self._resident, self.clock,
-            self.newest_event_ms, ttl, self.cfg.ttl_seconds, self.cfg.policy)
+            self.disk, self._sweep_from, min(n, 1 << 20), over, self._resident, clock,
+            newest_event_ms, ttl, self.cfg.ttl_seconds, self.cfg.policy)
         for reason, k in counts.items():
             self.counters.evicted(reason, k)
         if len(batch):
@@ -315,7 +324,8 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         return {"kind": "tiered", "store_id": self.disk.store_id, "generation": gen, "nonce": nonce,
                 "store_dir": str(Path(self.disk.path).resolve()), "clock": self.clock,
                 "newest_event_ms": self.newest_event_ms, "dim": self.dim,
-                "sketch": self.sketch.state_dict()}
+                # Where the next disk sweep starts: a resumed run sweeps the same rows.
+                "sweep_from": self._sweep_from, "sketch": self.sketch.state_dict()}
 
     def _wait_keep_staged(self) -> None:
         staged = self._wait()
@@ -341,6 +351,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
             self.ram = HostTier(self._ram_rows, self.layout, self.cfg.policy)
         self.clock, self.newest_event_ms = int(state["clock"]), int(state["newest_event_ms"])
         self.sketch.load_state_dict(state["sketch"])
+        self._sweep_from = int(state.get("sweep_from", 0))     # older checkpoints lack it
         self._started = True
         self._disk_rows, self._disk_bytes = self.disk.entries(), self.disk.file_bytes()
 

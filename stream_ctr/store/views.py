@@ -10,13 +10,14 @@ import numpy as np
 import torch
 
 from stream_ctr.embedding import init_rows
-from stream_ctr.store.layout import WRITE_GEN
+from stream_ctr.store.layout import WRITE_GEN, refuse_negative_keys
 
 
 class TieredReads:
     # ---- reads without moving rows ---------------------------------------------------
     def peek(self, keys: torch.Tensor) -> torch.Tensor:
         """Rows [U, cols] for sorted unique keys, from wherever they live; absent -> initial."""
+        refuse_negative_keys(keys)
         self._wait_keep_staged()
         cols = self.layout.cols
         out = torch.empty(keys.numel(), cols, dtype=torch.float32, device=self.device)

@@ -1,6 +1,7 @@
 """End-to-end training on the real bundled samples: resume bit-identity, holdout, dead letters."""
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,3 +99,57 @@ def test_bad_config_value_is_named(tmp_path):
     cfg.data.batch_size = 0
     with pytest.raises(ConfigError, match="data.batch_size"):
         train(cfg, show_progress=False)
+
+
+def _ckpt(step: int, records: int):
+    from stream_ctr.checkpoint import CheckpointState
+    return CheckpointState(step=step, records_trained=records, positions={}, config={},
+                           tensors={"x": torch.full((2,), float(records))})
+
+
+class _PowerLoss(BaseException):
+    """A crash: not an OSError, so save_checkpoint does not clean up after it."""
+
+
+@pytest.mark.parametrize("crash_at", ["rename", "replace", "rmtree"])
+def test_crash_while_resaving_a_step_leaves_latest_loadable(tmp_path, monkeypatch, crash_at):
+    # The end-of-run checkpoint often lands on the step of a periodic one.
+    import os
+    import shutil
+
+    from stream_ctr.checkpoint import save_checkpoint
+    root = tmp_path / "ckpts"
+    save_checkpoint(root, _ckpt(7, 10))
+
+    module = shutil if crash_at == "rmtree" else os
+    real = getattr(module, crash_at)
+
+    def crash(path, *args, **kwargs):
+        if crash_at == "rmtree" and not Path(path).name.startswith("ckpt-"):
+            return real(path, *args, **kwargs)     # the stale temporary directory
+        raise _PowerLoss()
+    monkeypatch.setattr(module, crash_at, crash)
+    with pytest.raises(_PowerLoss):
+        save_checkpoint(root, _ckpt(7, 11))
+    monkeypatch.undo()
+    # Before the LATEST switch the old checkpoint is current, after it the new one.
+    assert load_checkpoint(root).records_trained == (11 if crash_at == "rmtree" else 10)
+    save_checkpoint(root, _ckpt(7, 12))       # the next save still works and cleans up
+    assert load_checkpoint(root).records_trained == 12
+    assert len([p for p in root.iterdir() if p.name.startswith("ckpt-00000007")]) == 1
+
+
+def test_resaving_a_step_replaces_it_and_keep_counts_saves_in_order(tmp_path):
+    from stream_ctr.checkpoint import save_checkpoint
+    root = tmp_path / "ckpts"
+    for step in (10, 20):
+        save_checkpoint(root, _ckpt(step, step), keep=2)
+    # Resumed from ckpt-10 explicitly (rolling back a bad model): the steps go down again.
+    save_checkpoint(root, _ckpt(15, 15), keep=2)
+    last = save_checkpoint(root, _ckpt(12, 12), keep=2)
+    assert load_checkpoint(root).step == 12 and last.exists()
+    assert sorted(p.name for p in root.glob("ckpt-*")) == ["ckpt-00000012", "ckpt-00000015"]
+    again = save_checkpoint(root, _ckpt(12, 13), keep=2)
+    assert again != last and not last.exists()
+    assert load_checkpoint(root).records_trained == 13
+    assert load_checkpoint(root / "ckpt-00000015").step == 15
