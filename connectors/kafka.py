@@ -202,6 +202,7 @@ class KafkaSource:
         if len(batch):
             self._idle_since = time.monotonic()
         rejected, self._rejected = self._rejected, []
+        self._book.rejects_handed_out()
         self.stats.rejected += len(rejected)
         return batch, rejected
 

@@ -80,6 +80,13 @@ class PositionBook:
       positioned inside (resume into a split packed message);
     - `message_rows`: good rows of packed messages still in flight, so the
       fold knows whether a batch finished a message;
+    - `no_rows`: offsets of messages that decoded to no row at all (every
+      line rejected, or empty) and whose rejects `read()` has handed out: a
+      position that reaches one moves past it, or a partition ending in one
+      would never look consumed (lag 1 forever, its bad records
+      dead-lettered again at every restart).  The trainer writes the rejects
+      a read() returns to the dead-letter sink before it checkpoints; until
+      read() returns them they wait in `no_rows_decoded`;
     - `released`: last trained position of partitions given up (a rebalance
       or a lost group) in this process, or in the run a checkpoint resumes.
       Checkpoints keep them, marked given up: the model holds those records,
@@ -93,6 +100,8 @@ class PositionBook:
     fetch_next: dict[str, int] = field(default_factory=dict)
     skip: dict[str, Position] = field(default_factory=dict)
     message_rows: dict[str, dict[int, int]] = field(default_factory=dict)
+    no_rows: dict[str, set[int]] = field(default_factory=dict)
+    no_rows_decoded: dict[str, list[int]] = field(default_factory=dict)
     released: dict[str, Position] = field(default_factory=dict)
 
     def own(self, name: str, position: Position) -> None:
@@ -100,6 +109,7 @@ class PositionBook:
         self.trained[name] = self.returned[name] = position
         self.fetch_next[name] = position[0]
         self.message_rows[name] = {}
+        self.no_rows[name] = set()
         if position[1]:
             self.skip[name] = position
         else:
@@ -111,7 +121,8 @@ class PositionBook:
         for name in names:
             if name in self.trained:
                 out[name] = self.released[name] = self.trained[name]
-            for table in (self.trained, self.returned, self.fetch_next, self.skip, self.message_rows):
+            for table in (self.trained, self.returned, self.fetch_next, self.skip, self.message_rows,
+                          self.no_rows, self.no_rows_decoded):
                 table.pop(name, None)
         return out
 
@@ -135,6 +146,27 @@ class PositionBook:
         if len(packed) and name in self.message_rows:
             self.message_rows[name].update(zip(offsets[packed].tolist(),
                                                rows_per_message[packed].tolist()))
+        empty = offsets[rows_per_message == 0]
+        if len(empty) and name in self.no_rows:
+            self.no_rows_decoded.setdefault(name, []).extend(empty.tolist())
+
+    def rejects_handed_out(self) -> None:
+        """read() returns the rejects of everything decoded so far: positions may now
+        move past the messages that had no row."""
+        for name, offsets in self.no_rows_decoded.items():
+            if name in self.no_rows:
+                self.no_rows[name].update(offsets)
+        self.no_rows_decoded.clear()
+        self._pass_empty(self.trained)
+        self._pass_empty(self.returned)
+
+    def _pass_empty(self, state: dict[str, Position]) -> None:
+        for name, (offset, done) in state.items():
+            empty = self.no_rows.get(name)
+            if empty and not done and offset in empty:
+                while offset in empty:
+                    offset += 1
+                state[name] = (offset, 0)
 
     def drop_skipped(self, batch: Batch) -> Batch:
         """Remove the rows a positioned-inside-a-message resume must not return again."""
@@ -168,6 +200,7 @@ class PositionBook:
             done = count + (previous_done if previous_offset == last else 0)
             total = self.message_rows.get(name, {}).get(last, 1)
             state[name] = (last, done) if done < total else (last + 1, 0)
+        self._pass_empty(state)
 
     def forget_trained_messages(self) -> None:
         """Drop sizes of packed messages that are fully trained (bounded memory)."""
@@ -176,6 +209,9 @@ class PositionBook:
                 first_open = self.trained[name][0]
                 for offset in [o for o in sizes if o < first_open]:
                     del sizes[offset]
+        for name, empty in self.no_rows.items():
+            if empty and name in self.trained:
+                empty.difference_update([o for o in empty if o < self.trained[name][0]])
 
 
 def _take(batch: Batch, rows: np.ndarray) -> Batch:
