@@ -126,7 +126,8 @@ class DistributedRun(Run):
         d = self.cfg.distributed
         self.merger = DenseMerger(self.trainer.model, self.trainer.dense_opt, d.merge_every_k_steps,
                                   d.merge_moments, d.hierarchical, ctx.local_world_size,
-                                  on_merge=getattr(self.monitor.metrics, "observe_merge", None))
+                                  on_merge=getattr(self.monitor.metrics, "observe_merge", None),
+                                  timeout_s=ctx.timeout_s)
         self.merger.broadcast_from(0)
         self.summary = DistributedSummary(dead_letter_path=self.summary.dead_letter_path,
                                           world_size=ctx.world_size)
@@ -271,6 +272,8 @@ class DistributedRun(Run):
 
     def step(self, batch: Batch | None) -> None:
         """One lockstep step: train `batch`, or serve the others' rows when None."""
+        self._count_job_steps()
+        trained = 0
         if batch is None:
             self.store.idle_step()
         else:
@@ -278,8 +281,23 @@ class DistributedRun(Run):
             self.store.settle()           # a skipped (non-finite) step still answers the owners
             self.record(batch, result)
             self.monitor.on_batch(batch, result, self.window.window())
+            trained = 0 if bool(result.skipped) else len(batch)   # its dense state did not move
         self.global_step += 1
-        self.merger.after_step(len(batch) if batch is not None else 0)
+        self.trainer.step = self.global_step     # what the rank checkpoints: the same everywhere
+        self.merger.after_step(trained)
+
+    def _count_job_steps(self) -> None:
+        """The step count of the job, not of this rank, for the dense warm-up and for
+        Adam's bias correction where its state is shared: the sparse rows (their owner
+        updates them with every rank's gradients) and the dense moments when they are
+        merged. A rank that sat idle (a quiet partition, a late assignment) would
+        otherwise run behind, and an owner would update a row with whichever step
+        count its senders had."""
+        self.trainer.step = self.global_step
+        if self.merger.merge_moments:
+            for st in self.trainer.dense_opt.state.values():
+                if "step" in st:
+                    st["step"].fill_(float(self.global_step))
 
     def checkpoint(self, commit: bool = True) -> None:
         """Merge, write this rank's checkpoint, then (rank 0) the job manifest naming all;

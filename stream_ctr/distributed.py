@@ -174,7 +174,7 @@ class DenseMerger:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, k: int,
                  merge_moments: bool, hierarchical: bool = False, node_size: int | None = None,
-                 on_merge=None) -> None:
+                 on_merge=None, timeout_s: float | None = None) -> None:
         if k < 1:
             raise ValueError(f"merge every k >= 1 steps, got {k}")
         self.model, self.optimizer, self.k = model, optimizer, k
@@ -187,7 +187,8 @@ class DenseMerger:
         self._records = 0                   # this rank (or its node) since the last merge
         self.node_group = self.cross_group = None
         if hierarchical:
-            self.node_group, self.cross_group = _node_groups(self.world, node_size or self.world)
+            self.node_group, self.cross_group = _node_groups(self.world, node_size or self.world,
+                                                             timeout_s)
         if merge_moments:
             _init_adam_state(optimizer)
 
@@ -299,18 +300,22 @@ def _init_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 raise ValueError("merge_moments needs an Adam-style optimizer (exp_avg, exp_avg_sq)")
 
 
-def _node_groups(world: int, node_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def _node_groups(world: int, node_size: int,
+                 timeout_s: float | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(this rank's node group, its cross-node group of equal local ranks). Every rank
-    creates every group, in the same order, as torch.distributed requires."""
+    creates every group, in the same order, as torch.distributed requires. New groups
+    do not inherit the job's timeout (torch gives them its default, 30 min for gloo):
+    `timeout_s` is passed on, so a hung peer fails a node merge as fast as any other."""
     if node_size < 1 or world % node_size:
         raise ValueError(f"hierarchical merge needs the same number of ranks on every node: "
                          f"world size {world} is not a multiple of {node_size} ranks per node")
     nodes = world // node_size
     rank = dist.get_rank()
     with collective("creating the node groups"):
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         node_group, _ = dist.new_subgroups_by_enumeration(
-            [[n * node_size + i for i in range(node_size)] for n in range(nodes)])
+            [[n * node_size + i for i in range(node_size)] for n in range(nodes)], timeout=timeout)
         cross_group, _ = dist.new_subgroups_by_enumeration(
-            [[n * node_size + i for n in range(nodes)] for i in range(node_size)])
+            [[n * node_size + i for n in range(nodes)] for i in range(node_size)], timeout=timeout)
     assert dist.get_rank(node_group) == rank % node_size
     return node_group, cross_group

@@ -186,3 +186,28 @@ def test_hierarchical_merges_inside_a_node_every_step_and_across_nodes_every_k()
     assert len(step2) == 1
     step3 = [d[2] for d in digests]
     assert step3[0] == step3[1] and step3[2] == step3[3] and step3[0] != step3[2]
+
+
+def stalled_node_merge(rank: int, world: int) -> str:
+    """Rank 1 hangs (alive) past the job's timeout while rank 0 is in a node merge."""
+    import time
+    from stream_ctr.distributed import DenseMerger, DistributedError, agree, init_distributed
+    ctx = init_distributed(torch.device("cpu"), timeout_s=3)
+    model = _model()
+    merger = DenseMerger(model, torch.optim.Adam(model.parameters()), k=4, merge_moments=False,
+                         hierarchical=True, node_size=2, timeout_s=ctx.timeout_s)
+    agree([True])
+    if rank == 1:
+        time.sleep(10)
+    try:
+        merger.after_step(1)
+        return "merged"
+    except DistributedError:
+        return "DistributedError"
+
+
+def test_a_hung_peer_fails_a_node_merge_within_the_job_timeout():
+    """Node groups used to get torch's default timeout (30 min for gloo), not the job's:
+    rank 0 then simply waited for the hung peer and merged."""
+    outcomes = run_ranks(stalled_node_merge, 2, timeout_s=90)
+    assert outcomes[0].ok and outcomes[0].value == "DistributedError", outcomes[0]

@@ -123,6 +123,19 @@ def test_two_ranks_train_every_record_exactly_once(reference_job):
     assert s["merge_sent_bytes"] > 0 and s["exchange_sent_bytes"] > 0
 
 
+def test_every_rank_counts_the_job_steps(tmp_path):
+    """12,319 training records: stripes of 6,160 and 6,159 rows, batches of 2,053, so
+    rank 1 sits idle in the last of 4 steps. Its warm-up, bias corrections and
+    checkpointed step still count the job's steps (they used to count its own: 3)."""
+    cfg = job_config(tmp_path, batch_size=2053, holdout_fraction=0.15)
+    results = values(run_ranks(train_rank, 2, cfg))
+    assert [len(r["offsets"]) for r in results] == [6160, 6159]
+    final = results[0]["summary"]["checkpoint"]
+    manifest = json.loads(open(os.path.join(final, "job.json")).read())
+    assert manifest["global_step"] == 4
+    assert [rank_state(final, rank)["step"] for rank in range(2)] == [4, 4]
+
+
 def test_two_ranks_auc_is_within_noise_of_one_replica(reference_job, tmp_path):
     run_dir, results = reference_job
     two = results[0]["summary"]
