@@ -8,7 +8,9 @@ by demoting the cache's lowest-priority rows to RAM, and RAM's to LMDB; dirty
 rows are written back (on the I/O thread, while the step runs), clean ones
 are dropped (LMDB holds them). Rows move losslessly, so where a row lives
 never changes a number: training with tiny budgets is bit-identical to one
-big table.
+big table. TTL is one rule on a row's metadata: a row that is expired at this
+step is absent wherever it lives; the periodic cache/RAM scans
+(`_expire_resident`) and the disk sweep only reclaim the space of expired rows.
 
 `state_dict()` is the checkpoint: it flushes every dirty resident row and
 commits them with a new LMDB generation in one transaction, and returns the
@@ -39,7 +41,7 @@ from stream_ctr.store.errors import StoreError
 from stream_ctr.store.generations import GenerationView, commit_checkpoint, rollback
 from stream_ctr.store.host_tier import HostTier
 from stream_ctr.store.io_worker import IoWorker
-from stream_ctr.store.layout import (EVENT_MS, LAST_STEP, WRITE_GEN, RowLayout, new_meta,
+from stream_ctr.store.layout import (EVENT_MS, LAST_STEP, META_FIELDS, WRITE_GEN, RowLayout, new_meta,
                                      refuse_negative_keys)
 from stream_ctr.store.lmdb_tier import LmdbTier, WriteBatch
 from stream_ctr.store.plan import StorePlan
@@ -106,35 +108,67 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         if keys.numel() > self.cache.capacity:
             raise StoreError(f"a batch has {keys.numel():,} unique keys, more than the device "
                              f"cache's {self.cache.capacity:,} rows: raise --cache-bytes")
+        cpu = torch.device("cpu")
         slots = self.cache.lookup(keys)
         hit = slots >= 0
-        miss_idx = torch.nonzero(~hit).view(-1)
+        n_hit = int(hit.sum())
+        self.counters.lookup("cache", n_hit, keys.numel() - n_hit)
+        # TTL is a function of a row's metadata alone, the same rule in every tier: a row
+        # found expired (cache, RAM or disk) is treated as absent, whether or not a scan
+        # already reclaimed it. `stale` collects those rows (for their write_gen).
+        stale: list[Rows] = []
+        dead = torch.zeros_like(hit)
+        if self._ttl:
+            dead = hit & self._expired(self.cache.meta[slots.clamp(min=0)])
+        if bool(dead.any()):
+            stale.append(self.cache.remove(slots[dead]).to(cpu))
+            slots[dead] = -1
+        miss_idx = torch.nonzero(slots < 0).view(-1)
         miss = keys[miss_idx].cpu()
         n_miss = miss.numel()
-        self.counters.lookup("cache", keys.numel() - n_miss, n_miss)
+        fresh = ~dead[miss_idx].cpu()                 # missed the cache (not expired there)
 
-        in_ram, from_ram = self.ram.take(miss)
-        rest = miss[~in_ram]
-        self.counters.lookup("ram", len(from_ram), rest.numel())
+        in_ram, from_ram = self.ram.take(miss)        # an expired cache row is not in RAM
+        self.counters.lookup("ram", len(from_ram), n_miss - len(from_ram) - int((~fresh).sum()))
+        ram_dead = self._expired(self.layout.meta(from_ram.packed))
+        ram_live = in_ram.clone()
+        ram_live[in_ram] = ~ram_dead
+        if bool(ram_dead.any()):
+            stale.append(from_ram.select(ram_dead))
+            from_ram = from_ram.select(~ram_dead)
+        look = ~in_ram & fresh                        # never a stale disk copy of an expired row
+        look_pos = torch.nonzero(look).view(-1)
+        rest = miss[look]
         on_disk, disk_rows = self._read_disk(rest.numpy(), staged)
         self.counters.lookup("disk", int(on_disk.sum()), int((~on_disk).sum()))
-        disk_keys = rest.numpy()[on_disk]
-        new_keys = rest[torch.from_numpy(~on_disk)]
+        found_keys = rest.numpy()[on_disk]
+        disk_dead = self._expired(self._disk_meta(disk_rows)).numpy()
+        if disk_dead.any():
+            stale.append(Rows(torch.from_numpy(found_keys[disk_dead]),
+                              torch.from_numpy(disk_rows[disk_dead]),
+                              torch.zeros(int(disk_dead.sum()), dtype=torch.bool)))
+        disk_keys, disk_rows = found_keys[~disk_dead], disk_rows[~disk_dead]
+        disk_live = np.zeros(len(rest), dtype=bool)
+        disk_live[np.nonzero(on_disk)[0][~disk_dead]] = True
+        disk_pos = look_pos[torch.from_numpy(disk_live)]
+        is_new = ~ram_live
+        is_new[disk_pos] = False
+        new_pos = torch.nonzero(is_new).view(-1)
+        new_keys = miss[new_pos]                      # absent, or expired wherever they were
         admit = self.sketch.admit(new_keys.to(self.device)).cpu()
         self.counters.add(rows_created=int(admit.sum()), admissions_rejected=int((~admit).sum()))
+        write_gen, rejected_stale = self._expired_rows(stale, new_keys, admit)
 
         # Make room, then fill: RAM rows, disk rows, new rows, transient rows.
-        pushed = self._make_room(n_miss, protect=slots[hit])
+        pushed = self._make_room(n_miss, protect=slots[slots >= 0])
         parts = [from_ram, Rows(torch.from_numpy(disk_keys), torch.from_numpy(disk_rows),
                                 torch.zeros(len(disk_keys), dtype=torch.bool)),
-                 self._new_rows(new_keys[admit], dirty=True)]
-        rest_pos = torch.nonzero(~in_ram).view(-1)
-        new_pos = rest_pos[torch.from_numpy(~on_disk)]
-        order = torch.cat([torch.nonzero(in_ram).view(-1), rest_pos[torch.from_numpy(on_disk)],
+                 self._new_rows(new_keys[admit], dirty=True, write_gen=write_gen[admit])]
+        order = torch.cat([torch.nonzero(ram_live).view(-1), disk_pos,
                            new_pos[admit], new_pos[~admit]]).to(self.device)
         alloc = self.cache.take_free(n_miss)
         slots[miss_idx[order]] = alloc
-        incoming = Rows.cat(parts, self.layout, torch.device("cpu"))
+        incoming = Rows.cat(parts, self.layout, cpu)
         self.cache.fill(alloc[:len(incoming)], incoming.keys.to(self.device), incoming.packed,
                         incoming.dirty)
         transient = self._new_rows(new_keys[~admit], dirty=False)
@@ -148,7 +182,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self.cache.dirty[slots[~self.cache.transient[slots]]] = True
 
         expired_rows = self._expire_resident(protect=slots)
-        self._write_behind(pushed, expired_rows)
+        self._write_behind(pushed, expired_rows + [rejected_stale])
         return slots
 
     def prefetch(self, keys: torch.Tensor) -> None:
@@ -210,11 +244,56 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self.counters.add(prefetched_rows=len(keys), lmdb_read_rows=len(keys),
                           lmdb_read_seconds=time.perf_counter() - t0)
 
-    def _new_rows(self, keys: torch.Tensor, dirty: bool) -> Rows:
+    @property
+    def _ttl(self) -> bool:
+        return bool(self.cfg.ttl_steps or self.cfg.ttl_seconds)
+
+    def _expired(self, meta: torch.Tensor) -> torch.Tensor:
+        """Rows [n] past their TTL at this step, by their metadata [n, 4] alone (any device).
+        The one rule of every tier and of `peek`: an expired row is absent, whether or not
+        a scan (`_expire_resident`, the disk sweep) has reclaimed it yet."""
+        if not self._ttl:
+            return torch.zeros(meta.shape[0], dtype=torch.bool, device=meta.device)
+        by_steps, by_seconds = expired(meta, self.clock, self.newest_event_ms, self.cfg.ttl_steps,
+                                       self.cfg.ttl_seconds)
+        return by_steps | by_seconds
+
+    def _disk_meta(self, rows: np.ndarray) -> torch.Tensor:
+        """Metadata [n, 4] int64 (a copy) of packed rows [n, row_bytes] read from LMDB."""
+        meta = np.ascontiguousarray(rows[:, self.layout.meta_off:]).view(np.int64)
+        return torch.from_numpy(meta).view(-1, META_FIELDS)
+
+    def _expired_rows(self, stale: list[Rows], new_keys: torch.Tensor,
+                      admit: torch.Tensor) -> tuple[torch.Tensor, Rows]:
+        """Expired rows the batch found (each key also in sorted `new_keys`): counts them by
+        reason, and returns the write_gen each new row takes over (-1: none) and the rows
+        whose re-creation admission rejected (their disk copies are deleted).
+
+        A re-created row keeps its predecessor's write_gen: its disk copy is still there, so
+        the first write in a generation must log that old value (not "absent"), or a rollback
+        would delete the row instead of restoring it. A rejected one leaves no row at all, so
+        a disk copy must not be served again."""
+        write_gen = torch.full((new_keys.numel(),), -1, dtype=torch.int64)
+        rows = Rows.cat(stale, self.layout, torch.device("cpu"))
+        if len(rows) == 0:
+            return write_gen, rows
+        meta = self.layout.meta(rows.packed)
+        by_steps, by_seconds = expired(meta, self.clock, self.newest_event_ms, self.cfg.ttl_steps,
+                                       self.cfg.ttl_seconds)
+        self.counters.evicted("ttl_steps", int(by_steps.sum()))
+        self.counters.evicted("ttl_seconds", int(by_seconds.sum()))
+        pos = torch.searchsorted(new_keys, rows.keys)
+        write_gen[pos] = meta[:, WRITE_GEN]
+        return write_gen, rows.select(~admit[pos])
+
+    def _new_rows(self, keys: torch.Tensor, dirty: bool,
+                  write_gen: torch.Tensor | None = None) -> Rows:
         n = keys.numel()
         w = init_rows(keys.to(self.device), self.dim, self.init_std, self.seed)
         zeros = torch.zeros_like(w)
         meta = new_meta(n, self.clock, self.newest_event_ms, self.device)
+        if write_gen is not None:
+            meta[:, WRITE_GEN] = write_gen.to(self.device)
         return Rows(keys, self.layout.pack(w, zeros, zeros.clone(), meta).cpu(),
                     torch.full((n,), dirty, dtype=torch.bool))
 
@@ -230,6 +309,8 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         return pushed
 
     def _expire_resident(self, protect: torch.Tensor) -> list[Rows]:
+        """Reclaim expired cache and RAM rows (every ttl_steps/16 steps). Only space: `prepare`
+        treats an expired row as absent whether or not this already ran."""
         ttl, ttl_s = self.cfg.ttl_steps, self.cfg.ttl_seconds
         if not (ttl or ttl_s) or self.clock % max(1, ttl // 16) != 0:
             return []

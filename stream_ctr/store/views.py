@@ -24,17 +24,24 @@ class TieredReads:
         slots = self.cache.lookup(keys)
         hit = slots >= 0
         out[hit] = self.cache.weight[slots[hit]]
+        # A row expired by its metadata is absent (as in `prepare`), reclaimed yet or not.
+        expired = [torch.nonzero(hit & self._expired(self.cache.meta[slots.clamp(min=0)])).view(-1)]
         idx = torch.nonzero(~hit).view(-1)
         rest = keys[idx].cpu()
         in_ram, packed = self.ram.peek(rest)
-        out[idx[in_ram.to(self.device)]] = self.layout.floats(packed)[:, :cols].to(self.device)
+        ram_idx = idx[in_ram.to(self.device)]
+        out[ram_idx] = self.layout.floats(packed)[:, :cols].to(self.device)
+        expired.append(ram_idx[self._expired(self.layout.meta(packed)).to(self.device)])
         idx, rest = idx[(~in_ram).to(self.device)], rest[~in_ram]
         found = torch.zeros(rest.numel(), dtype=torch.bool)
         if self.disk is not None and rest.numel():
             f, rows = self.disk.get(rest.numpy())
             found = torch.from_numpy(f)
-            out[idx[found.to(self.device)]] = self.layout.floats(torch.from_numpy(rows))[:, :cols].to(self.device)
-        absent = idx[(~found).to(self.device)]
+        if found.any():
+            disk_idx = idx[found.to(self.device)]
+            out[disk_idx] = self.layout.floats(torch.from_numpy(rows))[:, :cols].to(self.device)
+            expired.append(disk_idx[self._expired(self._disk_meta(rows)).to(self.device)])
+        absent = torch.cat([idx[(~found).to(self.device)]] + expired)
         out[absent] = init_rows(keys[absent], self.dim, self.init_std, self.seed)
         return out
 
