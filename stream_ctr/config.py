@@ -278,6 +278,12 @@ def validate(cfg: Config) -> Config:
          f"store.admission_min_count must be >= 1, got {cfg.store.admission_min_count}"),
         (cfg.store.ttl_steps >= 0 and cfg.store.ttl_seconds >= 0,
          "store.ttl_steps and store.ttl_seconds must be >= 0 (0 = no expiry)"),
+        # The in-memory table has no row metadata to expire or admit by: silently
+        # ignoring these would grow the table the user meant to bound.
+        (cfg.store.kind == "tiered" or (cfg.store.admission_min_count == 1 and not cfg.store.ttl_steps
+                                        and not cfg.store.ttl_seconds),
+         "store.admission_min_count, store.ttl_steps and store.ttl_seconds need store.kind = "
+         "tiered (the in-memory table keeps every row); set --set store.kind=tiered or drop them"),
         (cfg.distributed.merge_every_k_steps >= 1,
          f"distributed.merge_every_k_steps must be >= 1, got {cfg.distributed.merge_every_k_steps}"),
         (cfg.distributed.timeout_s > 0, f"distributed.timeout_s must be > 0, got {cfg.distributed.timeout_s}"),

@@ -24,6 +24,8 @@ def test_toml_and_overrides(tmp_path):
     ("data.holdout_fraction=1.5", "data.holdout_fraction"),
     ("optim.lr_embed=-1", "optim.lr_dense and optim.lr_embed"),
     ("train.device=tpu", "train.device"),
+    ("store.ttl_steps=100", "need store.kind = tiered"),     # the memory store has no TTL
+    ("store.admission_min_count=2", "need store.kind = tiered"),
 ])
 def test_bad_values_name_the_option(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
