@@ -9,6 +9,7 @@ with ``start_offset`` set to it yields exactly the records that follow.
 from __future__ import annotations
 
 import gzip
+import zlib
 from pathlib import Path
 from typing import BinaryIO
 
@@ -24,6 +25,8 @@ SAMPLE_PATHS: dict[str, Path] = {
     "avazu": SAMPLE_DIR / "avazu_sample_9999.csv.gz",
 }
 READ_BYTES = 8 << 20          # bytes read from the (decompressed) stream at a time
+# A truncated gzip ends in EOFError, a damaged one in BadGzipFile (an OSError) or zlib.error.
+READ_ERRORS = (OSError, EOFError, zlib.error)
 GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -129,7 +132,7 @@ class _LineReader:
     def _read(self) -> bytes:
         try:
             return self._stream.read(self._read_bytes)
-        except (OSError, EOFError) as exc:      # truncated or corrupt gzip, I/O error
+        except READ_ERRORS as exc:              # truncated or corrupt gzip, I/O error
             raise SourceError(f"{self._name}: read failed ({exc}); the file may be truncated "
                               "or corrupt (a gzip still being written?)") from exc
 
@@ -239,10 +242,14 @@ def count_records(path: str | Path, fmt: RecordFormat, read_bytes: int = READ_BY
     """Number of data lines in the file (header excluded), by a bulk newline count."""
     n_lines, n_bytes, last = 0, 0, b"\n"
     with open_binary(path) as stream:
-        while chunk := stream.read(read_bytes):
-            n_lines += chunk.count(b"\n")
-            n_bytes += len(chunk)
-            last = chunk[-1:]
+        try:
+            while chunk := stream.read(read_bytes):
+                n_lines += chunk.count(b"\n")
+                n_bytes += len(chunk)
+                last = chunk[-1:]
+        except READ_ERRORS as exc:
+            raise SourceError(f"{Path(path).name}: read failed after {n_lines:,} lines ({exc}); the "
+                              "file may be truncated or corrupt (a gzip still being written?)") from exc
     n_lines += last != b"\n"
     return max(n_lines - (1 if fmt.has_header and n_bytes else 0), 0)
 

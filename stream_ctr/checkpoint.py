@@ -28,6 +28,7 @@ files are written; resuming rolls LMDB back to that generation
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -97,7 +98,11 @@ def save_checkpoint(directory: str | Path, state: CheckpointState, keep: int = 3
     tmp.mkdir()
     try:
         with open(tmp / "tensors.pt", "wb") as f:
-            torch.save(state.tensors, f)
+            try:
+                torch.save(state.tensors, f)
+            except RuntimeError as e:     # how torch's writer reports a failed write (disk full)
+                raise OSError(errno.EIO, f"writing tensors.pt failed, is the disk full? "
+                                         f"({str(e).splitlines()[0]})") from e
             f.flush()
             os.fsync(f.fileno())
         meta = {"format_version": FORMAT_VERSION, "step": state.step,
@@ -120,7 +125,7 @@ def save_checkpoint(directory: str | Path, state: CheckpointState, keep: int = 3
         os.replace(root / ".LATEST.tmp", root / "LATEST")
         _fsync_dir(root)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)    # a partial checkpoint must not fill the disk
         raise CheckpointError(f"cannot write checkpoint in {root}: {e.strerror or e} "
                               "(check free disk space and permissions); the previous checkpoint "
                               "is still valid") from e

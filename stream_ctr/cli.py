@@ -301,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     except DistributedError as e:         # another rank died or hung: not the user's input
         print(f"stream-ctr: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:                  # a run directory that cannot be written, a full disk
+        where = f" {e.filename}" if e.filename else ""
+        print(f"stream-ctr: error: cannot use{where}: {e.strerror or e} (check --run-dir, "
+              f"permissions and free disk space)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("stream-ctr: interrupted", file=sys.stderr)
         return 130

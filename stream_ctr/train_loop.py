@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 import time
@@ -29,6 +30,8 @@ from stream_ctr.streaming import (StreamBatcher, open_dead_letter, open_kafka_so
                                   stream_batches, stream_url)
 from stream_ctr.store import resume_store_config
 from stream_ctr.trainer import Trainer
+
+log = logging.getLogger("stream_ctr.train")
 
 
 @dataclass
@@ -146,6 +149,21 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
+def resume_data_config(cfg: Config, saved: Config, resume: str) -> None:
+    """What a resumed run reads: the checkpoint's source and holdout unless the command
+    names others. A resume that names none goes on with the same file and keeps its
+    held-out lines held out (it used to fall back to the bundled sample, and to
+    train the held-out lines); naming another file continues training on it (a
+    new day of logs), from its first line."""
+    default = Config().data
+    for name in ("source", "holdout_fraction"):
+        mine, theirs = getattr(cfg.data, name), getattr(saved.data, name)
+        if mine == default.__dict__[name] and mine != theirs:
+            setattr(cfg.data, name, theirs)
+        elif mine != theirs:
+            log.info("resume %s: data.%s is %r (the checkpoint's run had %r)", resume, name, mine, theirs)
+
+
 class Run:
     """What one `train` invocation holds: trainer, source plan, window, counters."""
 
@@ -155,6 +173,7 @@ class Run:
             saved = Config.from_dict(state.config, origin=f"{resume} (checkpoint config)")
             cfg.model, cfg.optim = saved.model, saved.optim
             cfg.store = resume_store_config(cfg.store, saved.store)   # where its rows live
+            resume_data_config(cfg, saved, resume)
         validate(cfg)
         configure_torch(cfg)
         self.cfg = cfg
@@ -167,6 +186,19 @@ class Run:
             # Hold out the last fraction of the file, by data-line offset.
             self.n_total = count_records(self.path, self.fmt)
             self.train_end = self.n_total - int(round(self.n_total * cfg.data.holdout_fraction))
+        if state is not None:
+            saved_fmt = source_format(saved)
+            if saved_fmt.name != self.fmt.name:
+                raise ConfigError(f"--resume {resume}: the checkpoint's model was trained on "
+                                  f"{saved_fmt.name} records, {cfg.data.source} holds {self.fmt.name}: "
+                                  "their features do not match; train it into a new --run-dir")
+            done = state.positions.get(f"file:{self.path.name}", 0) if self.path else 0
+            if done > self.train_end:
+                raise ConfigError(
+                    f"--resume {resume}: the run already trained {self.path.name} up to line "
+                    f"{done:,}, past where data.holdout_fraction = {cfg.data.holdout_fraction:g} "
+                    f"starts the held-out lines ({self.train_end:,}); resume with the run's "
+                    f"holdout ({saved.data.holdout_fraction:g}) or train into a new --run-dir")
         self.trainer = Trainer(cfg, self.fmt.n_keys, self.fmt.n_dense)
         self.window = PrequentialWindow(cfg.train.eval_window_records)
         self.positions: dict[str, int] = {}

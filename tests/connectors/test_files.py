@@ -225,3 +225,6 @@ def test_truncated_gzip_is_a_clear_source_error(tmp_path):
         with FileSource(path, CRITEO) as source:
             while not source.exhausted:
                 source.read()
+    # Training counts the records first: the same error there (it was an EOFError traceback).
+    with pytest.raises(SourceError, match="criteo_cut.tsv.gz: read failed after .* truncated"):
+        count_records(path, CRITEO)

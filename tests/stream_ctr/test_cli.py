@@ -39,6 +39,15 @@ def test_user_errors_are_one_clear_line(args, needle, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("stream-ctr: error:") and needle in lines[0], out.stderr
 
 
+def test_a_run_dir_that_cannot_be_written_is_one_clear_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    out = run("train", "--limit", "256", "--run-dir", str(blocker / "run"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "a-file" in lines[0] and "--run-dir" in lines[0], out.stderr
+
+
 def test_train_json_then_eval(tmp_path):
     run_dir = tmp_path / "run"
     out = run("train", "criteo:sample", "--holdout-fraction", "0.1", "--limit", "2000",

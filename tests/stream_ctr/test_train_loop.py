@@ -153,3 +153,40 @@ def test_resaving_a_step_replaces_it_and_keep_counts_saves_in_order(tmp_path):
     assert again != last and not last.exists()
     assert load_checkpoint(root).records_trained == 13
     assert load_checkpoint(root / "ckpt-00000015").step == 15
+
+
+def test_resume_without_a_source_goes_on_with_the_runs_file_and_holdout(tmp_path):
+    """It used to fall back to the bundled Criteo sample and train the held-out lines."""
+    avazu = small_config(tmp_path, source="avazu:sample", holdout_fraction=0.2, limit_records=1024)
+    train(avazu, show_progress=False)
+    again = small_config(tmp_path)            # no source, no holdout: the defaults
+    s = train(again, resume=again.train.run_dir, show_progress=False)
+    n_train = 9999 - int(round(9999 * 0.2))
+    assert s.records_trained_total == n_train and s.test["records"] == 9999 - n_train
+
+
+def test_resume_past_a_larger_holdout_or_with_another_format_is_one_clear_error(tmp_path):
+    cfg = small_config(tmp_path, limit_records=14000)
+    train(cfg, show_progress=False)
+    wider = small_config(tmp_path, holdout_fraction=0.1)
+    with pytest.raises(ConfigError, match="already trained .* up to line 14,000"):
+        train(wider, resume=wider.train.run_dir, show_progress=False)
+    other = small_config(tmp_path, source="avazu:sample")
+    with pytest.raises(ConfigError, match="trained on criteo records"):
+        train(other, resume=other.train.run_dir, show_progress=False)
+
+
+def test_a_full_disk_while_checkpointing_is_one_clear_error(tmp_path, monkeypatch):
+    """torch.save reports a failed write as a RuntimeError, not an OSError."""
+    from stream_ctr.checkpoint import save_checkpoint
+    root = tmp_path / "ckpts"
+    save_checkpoint(root, _ckpt(1, 10))
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4544 vs 4484")
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match="is the disk full"):
+        save_checkpoint(root, _ckpt(2, 20))
+    monkeypatch.undo()
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]     # nothing left behind
+    assert load_checkpoint(root).records_trained == 10
