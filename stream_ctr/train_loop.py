@@ -16,7 +16,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from connectors.batch import Batch
+from connectors.batch import Batch, Rejected
 from connectors.dead_letter import DeadLetterFile
 from connectors.files import FileSource, count_records, detect_format
 from connectors.kafka_positions import filter_partitions
@@ -74,24 +74,47 @@ def configure_torch(cfg: Config) -> None:
 def micro_batches(source: FileSource, batch_size: int, dead_letter: DeadLetterFile,
                   limit_records: int = -1, monitor: RunMonitor | None = None) -> Iterator[Batch]:
     """Full batches from `source` (the last one may be partial); at most
-    `limit_records` rows when it is >= 0. Each chunk read is reported to `monitor`."""
+    `limit_records` rows when it is >= 0. Each chunk read is reported to `monitor`.
+
+    A rejected line is dead-lettered just before the first batch after it is
+    yielded (or at the end of the file), not when its chunk is read: a run that
+    stops at a limit or a signal leaves the lines after its resume point for the
+    resumed run, bad ones included, so none is dead-lettered twice (with a tiered
+    store's look-ahead, the bad lines before the batch read ahead may be)."""
     batcher = MicroBatcher(batch_size)
     emitted = 0
+    waiting: list[Rejected] = []        # read, in line order, not dead-lettered yet
+
+    def dead_letter_up_to(batch: Batch) -> None:
+        nonlocal waiting
+        last = int(batch.offset[-1]) if len(batch) else -1
+        due = [r for r in waiting if r.offset < last]
+        waiting = waiting[len(due):]
+        dead_letter.write(due)
+
     while not source.exhausted:
         t0 = time.perf_counter()
         chunk, rejected = source.read()
         if monitor is not None:
             monitor.on_read(chunk, rejected, time.perf_counter() - t0)
-        dead_letter.write(rejected)
+        waiting += rejected
         for batch in batcher.add(chunk):
             if 0 <= limit_records <= emitted + len(batch):
-                yield batch.slice(0, limit_records - emitted)
+                batch = batch.slice(0, limit_records - emitted)
+                dead_letter_up_to(batch)
+                yield batch
                 return
             emitted += len(batch)
+            dead_letter_up_to(batch)
             yield batch
     rest = batcher.flush()
+    if rest is not None and 0 <= limit_records < emitted + len(rest):
+        rest = rest.slice(0, limit_records - emitted)      # the limit cuts the file's tail
+        dead_letter_up_to(rest)
+    else:
+        dead_letter.write(waiting)          # every line of the file was read: all are due
     if rest is not None:
-        yield rest.slice(0, limit_records - emitted) if limit_records >= 0 else rest
+        yield rest
 
 
 class LookAhead:

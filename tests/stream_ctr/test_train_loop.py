@@ -84,6 +84,22 @@ def test_bad_lines_are_dead_lettered_not_dropped(tmp_path):
     assert [d["line"] for d in dead] == [11, 21]
 
 
+def test_a_stopped_and_resumed_run_dead_letters_each_bad_line_once(tmp_path):
+    """The run stops at a limit inside the chunk that holds the later bad lines: those
+    lines are the resumed run's to dead-letter (they used to be written by both)."""
+    lines = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:1000]
+    for at in (10, 500, 900):
+        lines[at] = b"1\t2\t3"
+    path = tmp_path / "criteo_bad.tsv"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    cfg = small_config(tmp_path, source=f"criteo:{path}", limit_records=256)
+    first = train(cfg, show_progress=False)
+    cfg.data.limit_records = 0
+    train(cfg, resume=cfg.train.run_dir, show_progress=False)
+    dead = [json.loads(x) for x in open(first.dead_letter_path)]
+    assert [d["line"] for d in dead] == [11, 501, 901]
+
+
 def test_resume_from_corrupt_checkpoint_fails_clearly(tmp_path):
     cfg = small_config(tmp_path, limit_records=256)
     s = train(cfg, show_progress=False)
