@@ -66,3 +66,105 @@ def test_replay_cli_json_summary(kafka, capsys):
         (250, 5, 3, 250)
     assert main(["replay", "criteo:sample", "--to", "kafka://nohost/t"]) == 2
     assert "HOST:PORT" in capsys.readouterr().err
+
+
+def in_file_order_per_partition(parts: dict[int, list[bytes]], lines: list[bytes]) -> bool:
+    """The partitions hold exactly `lines`, each partition a subsequence of them in order."""
+    def subsequence(part):
+        it = iter(lines)
+        return all(any(ln == x for x in it) for ln in part)
+    return (sorted(ln for part in parts.values() for ln in part) == sorted(lines)
+            and all(subsequence(part) for part in parts.values()))
+
+
+def small_chunks(monkeypatch) -> None:
+    """Chunks of ~300 lines, so a replay of a few thousand lines has several."""
+    import connectors.replay
+    monkeypatch.setattr(connectors.replay, "CHUNK_BYTES", 64 << 10)
+
+
+def test_broker_stopped_mid_replay_stops_with_next_offset_and_the_resume_loses_nothing(
+        fresh_broker, monkeypatch, capsys):
+    import connectors.replay
+    from connectors.kafka_options import parse_kafka_url
+    from connectors.kafka_sink import create_topic
+    from tests.kafka_broker import KafkaHelper
+    small_chunks(monkeypatch)
+    monkeypatch.setattr(connectors.replay, "RETRY_S", 2.0, raising=False)
+    kafka, topic, total = KafkaHelper(fresh_broker.bootstrap), "replay-outage", 3000
+    url = kafka.url(topic)
+    at_stop = {}
+
+    def stop_the_broker_once(records, n_bytes, seconds, next_offset):
+        if fresh_broker.running and records >= 1000:
+            at_stop.update(records=records, next_offset=next_offset,
+                           on_broker=by_partition(kafka.read_all(topic, 2, idle_ms=1000)))
+            fresh_broker.stop()              # memory storage: what it held is gone
+
+    create_topic(parse_kafka_url(url), topic, 2)
+    with pytest.raises(SourceError, match="acknowledged") as failed:
+        replay_file("criteo:sample", url, packed=10, limit=total, progress=stop_the_broker_once)
+    s = failed.value.summary
+    # Exactly what the broker held when it stopped was acknowledged, and it is
+    # every line before next_offset, each partition in file order.
+    assert 0 < s.next_offset == s.records == at_stop["records"] == at_stop["next_offset"] < total
+    assert f"--resume {s.next_offset}" in str(failed.value) and "\n" not in str(failed.value)
+    assert in_file_order_per_partition(at_stop["on_broker"], CRITEO_LINES[:s.next_offset])
+
+    fresh_broker.start()                     # same port, empty
+    create_topic(parse_kafka_url(url), topic, 2)
+    assert main(["replay", "criteo:sample", "--to", url, "--packed", "10", "--limit",
+                 str(total - s.next_offset), "--resume", str(s.next_offset), "--json", "--quiet"]) == 0
+    resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (resumed["records"], resumed["next_offset"]) == (total - s.next_offset, total)
+    assert in_file_order_per_partition(by_partition(kafka.read_all(topic, 2, idle_ms=1000)),
+                                       CRITEO_LINES[s.next_offset:total])
+
+
+def test_truncated_gzip_stops_with_what_was_produced_and_next_offset(kafka, monkeypatch, tmp_path,
+                                                                      capsys):
+    small_chunks(monkeypatch)
+    whole = gzip.compress(b"\n".join(CRITEO_LINES[:6000]) + b"\n")
+    path = tmp_path / "day.tsv.gz"
+    path.write_bytes(whole[:len(whole) // 2])
+    topic = kafka.topic()
+    with pytest.raises(SourceError, match="truncated") as failed:
+        replay_file(f"criteo:{path}", kafka.url(topic))
+    s = failed.value.summary
+    assert str(path) in str(failed.value) and f"--resume {s.next_offset}" in str(failed.value)
+    assert 0 < s.records == s.next_offset < 6000
+    assert [r.value for r in kafka.read_all(topic, idle_ms=1000)] == CRITEO_LINES[:s.next_offset]
+    # The command: one error line, non-zero status.
+    assert main(["replay", f"criteo:{path}", "--to", kafka.url(kafka.topic()), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "truncated" in err[0] and "--resume" in err[0], err
+
+
+def test_a_bad_key_creates_no_topic(kafka, capsys):
+    from connectors.kafka_options import parse_kafka_url
+    from connectors.kafka_sink import topic_partitions
+    url = kafka.url("replay-bad-key")
+    assert main(["replay", "criteo:sample", "--to", url, "--partitions", "5", "--key", "field:nope"]) == 2
+    assert "--key" in capsys.readouterr().err
+    assert topic_partitions(parse_kafka_url(url), "replay-bad-key") == 0
+
+
+def test_interrupted_keyed_replay_reports_the_first_unacknowledged_line(kafka, monkeypatch):
+    import connectors.replay
+    topic = kafka.topic(partitions=3)
+    sends = [0]
+
+    def ctrl_c_after_the_1990th_send(rate, records, t0):     # called after each send
+        sends[0] += 1
+        if sends[0] == 1990:
+            raise KeyboardInterrupt
+
+    # One chunk, sent partition by partition: the last partition's last 10 lines are not sent.
+    monkeypatch.setattr(connectors.replay, "_throttle", ctrl_c_after_the_1990th_send)
+    s = replay_file("criteo:sample", kafka.url(topic), key="line", rate=1e9, limit=2000)
+    assert s.interrupted and s.records == 1990
+    on_broker = {int(r.key) for r in kafka.read_all(topic, 3, idle_ms=1000)}
+    assert len(on_broker) == s.records
+    # Every line before next_offset is on the broker, the line at it is not.
+    assert 0 < s.next_offset < 2000 and set(range(s.next_offset)) <= on_broker
+    assert s.next_offset not in on_broker
