@@ -116,7 +116,7 @@ class DistributedConfig:
     # Several replicas under torchrun (stream_ctr/distributed.py, DESIGN.md step 7).
     merge_every_k_steps: int = 8    # average the dense replicas every k steps (k-step Adam)
     merge_moments: bool = True      # ... with Adam's exp_avg / exp_avg_sq too
-    hierarchical: bool = False      # merge every step inside a node, every k across nodes
+    hierarchical: bool = False      # all-reduce gradients inside a node every step, merge across nodes every k
     timeout_s: float = 300.0        # a collective waiting longer on a lost rank fails the job
     backend: str = "auto"           # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
 

@@ -129,6 +129,8 @@ class DistributedRun(Run):
                                   on_merge=getattr(self.monitor.metrics, "observe_merge", None),
                                   timeout_s=ctx.timeout_s)
         self.merger.broadcast_from(0)
+        if self.merger.node_group is not None:      # hierarchical: synchronous inside a node
+            self.trainer.reduce_dense_grads = self.merger.reduce_gradients
         self.summary = DistributedSummary(dead_letter_path=self.summary.dead_letter_path,
                                           world_size=ctx.world_size)
         self.checkpoint_wanted = False    # a Kafka rebalance asks for a job checkpoint
@@ -275,7 +277,9 @@ class DistributedRun(Run):
         self._count_job_steps()
         trained = 0
         if batch is None:
-            self.store.idle_step()
+            # Hierarchical: the node's dense step all the same, where a training rank
+            # reduces its gradients (after the sparse prepare, before the update).
+            self.store.idle_step(between=self.trainer.idle_dense_step)
         else:
             result = self.trainer.train_step(batch)
             self.store.settle()           # a skipped (non-finite) step still answers the owners

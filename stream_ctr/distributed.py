@@ -143,7 +143,7 @@ def ring_allreduce_bytes(payload_bytes: int, n: int) -> int:
 @dataclass
 class MergeStats:
     merges: int = 0              # global (or cross-node) merges
-    node_merges: int = 0         # per-step merges inside a node (hierarchical)
+    node_merges: int = 0         # per-step gradient all-reduces inside a node (hierarchical)
     payload_bytes: int = 0       # bytes of the averaged tensors, summed over merges
     sent_bytes: int = 0          # bytes this rank sent (ring all-reduce estimate)
     seconds: float = 0.0
@@ -165,9 +165,13 @@ class DenseMerger:
     partition) does not drag the others back to its stale copy. If nobody
     trained, the plain mean.
 
-    Hierarchical (`node_size` ranks per node, consecutive ranks): the merge
-    runs every step inside each node and every k steps across nodes, between
-    ranks with the same local rank (the node averages are then averaged).
+    Hierarchical (`node_size` ranks per node, consecutive ranks): inside a node
+    the replicas train synchronously -- every step, before the dense optimizer
+    steps, `reduce_gradients` replaces each rank's dense gradients by the node's
+    records-weighted mean (an all-reduce), so the node's replicas take the same
+    Adam step and stay identical (PaddleBox's intra-node data parallelism,
+    reference/kstep_hps.md 2.3) -- and every k steps the merge runs across nodes,
+    between ranks with the same local rank.
 
     Blocks in collectives; raises DistributedError when a peer is lost.
     """
@@ -186,6 +190,7 @@ class DenseMerger:
         self.steps_since_merge = 0
         self._records = 0                   # this rank (or its node) since the last merge
         self.node_group = self.cross_group = None
+        self._node_records = 0              # hierarchical: this step's records of the node
         if hierarchical:
             self.node_group, self.cross_group = _node_groups(self.world, node_size or self.world,
                                                              timeout_s)
@@ -210,12 +215,46 @@ class DenseMerger:
 
     # -- schedule ---------------------------------------------------------------------
 
+    def reduce_gradients(self, records: int) -> int:
+        """Hierarchical only, every rank of a node at every step, after backward and
+        before the dense optimizer step: the dense gradients become the node's mean,
+        weighted by the records each rank trained (0: idle, or a skipped step, whose
+        gradients must not count). Returns the node's records: the optimizer steps
+        on every rank of the node when it is > 0, on none when it is 0."""
+        params = [p for p in self.model.parameters()]
+        for p in params:
+            if p.grad is None or records == 0:      # idle, skipped (maybe NaN): counts nothing
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        device = grads[0].device
+        t0 = time.perf_counter()
+        with collective("averaging the node's dense gradients"):
+            total = torch.tensor([float(records)], dtype=torch.float64, device=device)
+            dist.all_reduce(total, group=self.node_group)
+            node_records = int(total.item())
+            flat = _flatten(grads)
+            flat.mul_(records / node_records if node_records else 0.0)
+            dist.all_reduce(flat, group=self.node_group)
+        _unflatten_into(flat, grads)
+        nbytes, n, dt = flat.numel() * flat.element_size(), dist.get_world_size(self.node_group), \
+            time.perf_counter() - t0
+        s = self.stats
+        s.node_merges += 1
+        s.payload_bytes += nbytes
+        s.sent_bytes += ring_allreduce_bytes(nbytes, n) + 8 * (n - 1)
+        s.seconds += dt
+        if self.on_merge is not None:
+            self.on_merge(dt, ring_allreduce_bytes(nbytes, n))
+        self._node_records = node_records
+        return node_records
+
     def after_step(self, records: int) -> None:
-        """Count a lockstep step; merge inside the node every step (hierarchical) and
-        globally / across nodes every k steps."""
+        """Count a lockstep step; merge globally (or, hierarchical, across nodes) every
+        k steps. Hierarchical: the node's replicas already agree (`reduce_gradients`)."""
         self.steps_since_merge += 1
         if self.node_group is not None:
-            self._records += self._average(self.node_group, records, node=True)
+            self._records += self._node_records
+            self._node_records = 0
         else:
             self._records += records
         if self.steps_since_merge >= self.k:
@@ -228,7 +267,7 @@ class DenseMerger:
 
     def merge(self) -> None:
         group = self.cross_group if self.node_group is not None else None
-        self._average(group, self._records, node=False)
+        self._average(group, self._records)
         self._records, self.steps_since_merge = 0, 0
 
     def broadcast_from(self, src: int = 0) -> None:
@@ -239,7 +278,7 @@ class DenseMerger:
             dist.broadcast(flat, src)
         _unflatten_into(flat, self.tensors())
 
-    def _average(self, group: dist.ProcessGroup | None, records: int, node: bool) -> int:
+    def _average(self, group: dist.ProcessGroup | None, records: int) -> int:
         """Records-weighted mean of the replica over `group`; returns the group's records."""
         n = dist.get_world_size(group)
         if n == 1:
@@ -263,10 +302,7 @@ class DenseMerger:
         s.payload_bytes += nbytes
         s.sent_bytes += ring_allreduce_bytes(nbytes, n) + 8 * (n - 1)
         s.seconds += dt
-        if node:
-            s.node_merges += 1
-        else:
-            s.merges += 1
+        s.merges += 1
         if self.on_merge is not None:
             self.on_merge(dt, ring_allreduce_bytes(nbytes, n))
         return int(total_records)

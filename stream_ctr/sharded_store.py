@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -186,9 +187,13 @@ class ShardedEmbeddingStore(EmbeddingStore):
         empty_c = torch.zeros(0, dtype=torch.int64, device=self.device)
         return self._push(plan, empty_g, empty_c, 0, 0, False)
 
-    def idle_step(self) -> None:
-        """Take part in a step without a batch: serve other ranks' keys, update them."""
+    def idle_step(self, between: Callable[[], None] | None = None) -> None:
+        """Take part in a step without a batch: serve other ranks' keys, update them.
+        `between` runs where a training rank's backward would (between the two
+        collectives), so that collectives of other groups keep the same order."""
         self.prepare(torch.zeros(0, dtype=torch.int64, device=self.device))
+        if between is not None:
+            between()
         self.settle()
 
     def _push(self, plan: _Plan, grad: torch.Tensor, counts: torch.Tensor, step: int,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -62,6 +63,24 @@ class Trainer:
                                           betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
         self.l2_params = self.model.l2_parameters()
         self.step = 0
+        # Hierarchical replicas: called after backward with the records this step trained
+        # (0 if skipped); makes the dense gradients the node's mean and returns the node's
+        # records (DenseMerger.reduce_gradients). None: every replica steps on its own.
+        self.reduce_dense_grads: Callable[[int], int] | None = None
+
+    def _dense_step(self, step: int) -> None:
+        for group in self.dense_opt.param_groups:
+            group["lr"] = self.dense_lr(step)
+        self.dense_opt.step()
+
+    def idle_dense_step(self) -> None:
+        """A hierarchical replica without a batch this step still takes its node's dense
+        step (on the node's mean gradients), or the node's replicas would drift apart."""
+        if self.reduce_dense_grads is None:
+            return
+        self.dense_opt.zero_grad(set_to_none=True)
+        if self.reduce_dense_grads(0) > 0:
+            self._dense_step(self.step + 1)
 
     def dense_lr(self, step: int) -> float:
         """Linear warm-up to lr_dense over warmup_steps, then flat (reference/cowclip.md 2.1)."""
@@ -123,15 +142,18 @@ class Trainer:
 
         # A non-finite loss would poison Adam's moments for good: skip the update.
         skipped = ~torch.isfinite(loss)
+        node_steps = False
+        if self.reduce_dense_grads is not None:      # a node's replicas take one dense step
+            node_steps = self.reduce_dense_grads(0 if bool(skipped) else b) > 0
         if bool(skipped):
+            if node_steps:                           # the node's step, on its mean gradients
+                self._dense_step(self.step + 1)
             zero = torch.zeros((), device=self.device)
             return StepResult(torch.sigmoid(logits.detach()), loss.detach(), skipped, 0, zero, zero)
 
         # Update: dense Adam with warm-up; CowClip + Adam on the rows present.
         self.step += 1
-        for group in self.dense_opt.param_groups:
-            group["lr"] = self.dense_lr(self.step)
-        self.dense_opt.step()
+        self._dense_step(self.step)
         clip = self.store.update(slots, rows.grad, counts, self.step, o)
         t3 = time.perf_counter()
         return StepResult(torch.sigmoid(logits.detach()), loss.detach(), skipped, int(uniq.numel()),

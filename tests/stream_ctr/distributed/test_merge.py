@@ -117,20 +117,37 @@ def merge_checks(rank: int, world: int) -> dict:
     return out
 
 
-def hierarchical_checks(rank: int, world: int) -> list[str]:
-    """4 ranks as 2 nodes x 2: every step the node's replicas agree, every k=2 all agree."""
+def hierarchical_checks(rank: int, world: int) -> dict:
+    """4 ranks as 2 nodes x 2: every step the node's replicas agree, every k=2 all agree.
+    Inside a node that is synchronous Adam: one Adam on the node's mean gradient."""
     from stream_ctr.distributed import DenseMerger, init_distributed
     init_distributed(torch.device("cpu"), timeout_s=60)
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     merger = DenseMerger(model, opt, k=2, merge_moments=True, hierarchical=True, node_size=2)
-    digests = []
+    node = [rank - rank % 2, rank - rank % 2 + 1]
+    sync = _model()                              # synchronous Adam over this node's two ranks
+    sync_opt = torch.optim.Adam(sync.parameters(), lr=LR)
+    digests, sync_diff = [], None
     for step in range(3):
-        _grads(model, *_data(rank, step))
-        opt.step()
-        merger.after_step(records=8)
+        records = 8 if not (rank == 1 and step == 0) else 0       # rank 1 idles at first
+        if records:
+            _grads(model, *_data(rank, step))
+        else:
+            model.zero_grad(set_to_none=True)
+        if merger.reduce_gradients(records):
+            opt.step()
+        merger.after_step(records)
         digests.append(_digest(model))
-    return digests
+        if step == 0:                            # before any cross-node merge
+            weights = [0 if (r == 1 and step == 0) else 8 for r in node]
+            mean = [sum(w * g for w, g in zip(weights, gs)) / sum(weights)
+                    for gs in zip(*[_grads(sync, *_data(r, step)) for r in node])]
+            for p, g in zip(sync.parameters(), mean):
+                p.grad = g
+            sync_opt.step()
+            sync_diff = _max_diff(model, sync)
+    return {"digests": digests, "sync_diff": sync_diff}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
@@ -178,8 +195,10 @@ def test_an_idle_replica_does_not_drag_the_average(merged):
     assert all(r["idle_max_diff"] < 1e-7 for r in results)
 
 
-def test_hierarchical_merges_inside_a_node_every_step_and_across_nodes_every_k():
-    digests = values(run_ranks(hierarchical_checks, 4, local_world=2))
+def test_hierarchical_is_synchronous_inside_a_node_and_merges_across_nodes_every_k():
+    results = values(run_ranks(hierarchical_checks, 4, local_world=2))
+    digests = [r["digests"] for r in results]
+    assert all(r["sync_diff"] < 1e-7 for r in results), [r["sync_diff"] for r in results]
     step1 = [d[0] for d in digests]
     assert step1[0] == step1[1] and step1[2] == step1[3] and step1[0] != step1[2]
     step2 = {d[1] for d in digests}
@@ -189,7 +208,7 @@ def test_hierarchical_merges_inside_a_node_every_step_and_across_nodes_every_k()
 
 
 def stalled_node_merge(rank: int, world: int) -> str:
-    """Rank 1 hangs (alive) past the job's timeout while rank 0 is in a node merge."""
+    """Rank 1 hangs (alive) past the job's timeout while rank 0 reduces the node's gradients."""
     import time
     from stream_ctr.distributed import DenseMerger, DistributedError, agree, init_distributed
     ctx = init_distributed(torch.device("cpu"), timeout_s=3)
@@ -200,7 +219,7 @@ def stalled_node_merge(rank: int, world: int) -> str:
     if rank == 1:
         time.sleep(10)
     try:
-        merger.after_step(1)
+        merger.reduce_gradients(1)
         return "merged"
     except DistributedError:
         return "DistributedError"

@@ -123,12 +123,16 @@ def test_two_ranks_train_every_record_exactly_once(reference_job):
     assert s["merge_sent_bytes"] > 0 and s["exchange_sent_bytes"] > 0
 
 
-def test_every_rank_counts_the_job_steps(tmp_path):
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "hierarchical"])
+def test_every_rank_counts_the_job_steps(tmp_path, hierarchical):
     """12,319 training records: stripes of 6,160 and 6,159 rows, batches of 2,053, so
     rank 1 sits idle in the last of 4 steps. Its warm-up, bias corrections and
-    checkpointed step still count the job's steps (they used to count its own: 3)."""
+    checkpointed step still count the job's steps (they used to count its own: 3).
+    Hierarchical (both ranks on one node): the idle rank still takes the node's dense
+    step, its collectives in the training ranks' order (else this deadlocks)."""
     cfg = job_config(tmp_path, batch_size=2053, holdout_fraction=0.15)
-    results = values(run_ranks(train_rank, 2, cfg))
+    cfg["distributed"]["hierarchical"] = hierarchical
+    results = values(run_ranks(train_rank, 2, cfg, local_world=2))
     assert [len(r["offsets"]) for r in results] == [6160, 6159]
     final = results[0]["summary"]["checkpoint"]
     manifest = json.loads(open(os.path.join(final, "job.json")).read())
