@@ -35,6 +35,9 @@ PHASE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 SKIP_NONFINITE = "nonfinite"    # batches_skipped_total reason: loss or gradient NaN/inf
 
 
+RATE_STALE_S = 5.0      # no batch for this long: samples/s is the mean since the last one
+
+
 @dataclass(frozen=True)
 class MetricSpec:
     name: str                   # full name; counters end in _total
@@ -196,7 +199,9 @@ class TrainerMetrics:
             self._metric("records_rejected_total").labels(rank=r, reason=reason)
         for phase in PHASES:
             self._metric("step_phase_seconds").labels(rank=r, phase=phase)
-        self._metric("samples_per_second").labels(rank=r).set(0)
+        # Read at scrape time: a trainer that stops (a hang, an idle stream) must not keep
+        # showing its last rate.
+        self._metric("samples_per_second").labels(rank=r).set_function(self.current_samples_per_s)
         self._metric("start_time_seconds").labels(rank=r).set(self.started_s)
         if auc_baseline > 0:
             self._metric("prequential_auc_baseline").labels(rank=r).set(auc_baseline)
@@ -288,8 +293,23 @@ class TrainerMetrics:
         t0, n0 = self._rate_mark
         if now - t0 >= 1.0:
             self.samples_per_s = (self.records_trained - n0) / (now - t0)
-            self._metric("samples_per_second").labels(rank=self.rank).set(self.samples_per_s)
             self._rate_mark = (now, self.records_trained)
+
+    def current_samples_per_s(self) -> float:
+        """The rate over the last interval of at least 1 s that batches closed; once no
+        batch has come for RATE_STALE_S, the mean since the last mark (falls towards 0)."""
+        now = self.clock()
+        t0, n0 = self._rate_mark
+        if now - t0 > RATE_STALE_S:
+            return (self.records_trained - n0) / (now - t0)
+        return self.samples_per_s
+
+    def resumed_from_checkpoint(self, saved_at_s: float) -> None:
+        """The run resumed a checkpoint written at `saved_at_s` (this clock): its age
+        counts from then, not from the process start (a trainer that keeps crashing
+        before it checkpoints must still trip the checkpoint-age alert)."""
+        self.last_checkpoint_s = saved_at_s
+        self._metric("last_checkpoint_timestamp_seconds").labels(rank=self.rank).set(saved_at_s)
 
     def observe_checkpoint(self, seconds: float, nbytes: int = 0) -> None:
         """A checkpoint became durable after `seconds`; it holds `nbytes` on disk."""

@@ -84,6 +84,7 @@ def load_series(run_dir: Path) -> list[RankSeries]:
                 s.intervals.append(rec)
             elif kind == "start":
                 s.starts.append(rec)
+                s.end = None        # an end belongs to the invocation it closed, not a later one
             elif kind == "end":
                 s.end = rec
         out.append(s)

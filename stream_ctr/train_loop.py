@@ -21,7 +21,7 @@ from connectors.dead_letter import DeadLetterFile
 from connectors.files import FileSource, count_records, detect_format
 from connectors.kafka_positions import filter_partitions
 from stream_ctr.batcher import MicroBatcher
-from stream_ctr.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
+from stream_ctr.checkpoint import CheckpointState, load_checkpoint, resolve_checkpoint, save_checkpoint
 from stream_ctr.config import Config, ConfigError, validate
 from stream_ctr.evaluation import Accuracy, PrequentialWindow, accuracy
 from stream_ctr.monitor import RunMonitor
@@ -246,6 +246,9 @@ class Run:
         self.monitor = RunMonitor(cfg, run_dir, self.total_before)
         self.monitor.watch(self.trainer.store, self.window, lag=self.source_lag,
                            source=lambda: self.source)
+        if state is not None:       # the checkpoint's age counts from when it was written
+            manifest = resolve_checkpoint(resume) / "manifest.json"
+            self.monitor.metrics.resumed_from_checkpoint(manifest.stat().st_mtime)
 
     def source_lag(self) -> dict[str, int]:
         """Consumer lag of the file source: records of the training range not yet trained."""

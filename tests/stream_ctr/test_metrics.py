@@ -123,6 +123,26 @@ def test_event_freshness_at_scrape_time(reg):
     assert value(reg, "stream_ctr_event_freshness_seconds") == 960.0
 
 
+def test_samples_per_second_falls_when_batches_stop(reg):
+    """It used to keep the last rate for as long as the trainer hung."""
+    clock = Clock()
+    m = TrainerMetrics(reg, clock=clock)
+    for _ in range(4):
+        clock.t += 0.5
+        m.observe_batch(1000, skipped=False, phase_s={}, rows_clipped=0)
+    assert value(reg, "stream_ctr_samples_per_second") == pytest.approx(2000.0)
+    clock.t += 3600                          # a stall: no batch for an hour
+    assert value(reg, "stream_ctr_samples_per_second") < 1.0
+
+
+def test_checkpoint_age_after_a_resume_counts_from_the_checkpoint(reg):
+    clock = Clock(1000.0)
+    m = TrainerMetrics(reg, clock=clock)
+    m.resumed_from_checkpoint(400.0)         # written ten minutes before this process started
+    assert value(reg, "stream_ctr_last_checkpoint_age_seconds") == 600.0
+    assert value(reg, "stream_ctr_last_checkpoint_timestamp_seconds") == 400.0
+
+
 def test_checkpoint_and_merge_ages(reg):
     clock = Clock(100.0)
     m = TrainerMetrics(reg, clock=clock)

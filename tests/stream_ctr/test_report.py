@@ -83,3 +83,16 @@ def test_report_draws_ranks_tiers_restarts_and_survives_a_torn_line(tmp_path):
     assert out.records == 8000
     page = out.html.read_text()
     assert "still going or crashed" in page and "dcnv2" in page
+
+
+def test_a_crashed_resume_is_not_shown_with_the_previous_invocations_end(tmp_path):
+    first = [{"kind": "start", "t": 0, "records": 0, "model": "deepfm", "source": "criteo:x"},
+             {"kind": "interval", "t": 10, "records": 1000, "samples_per_s": 100.0, "auc": 0.7},
+             {"kind": "end", "t": 11, "records_trained": 1000}]
+    crashed = [{"kind": "start", "t": 20, "records": 1000},
+               {"kind": "interval", "t": 30, "records": 3000, "samples_per_s": 200.0, "auc": 0.72}]
+    (tmp_path / "timeseries.jsonl").write_text("\n".join(json.dumps(x) for x in first + crashed) + "\n")
+    (series,) = load_series(tmp_path)
+    assert series.end is None
+    page = write_report(tmp_path).html.read_text()
+    assert "still going or crashed" in page
