@@ -72,9 +72,8 @@ interleaved by message timestamp (`kafka_decode.event_order`), so a backfill
 of several partitions trains in roughly event order rather than partition
 after partition.
 
-Lag is counted: per partition, records fetched but not yet trained (the
-broker's high watermark is not used; some brokers, tansu among them, report
-it wrong).
+Lag, per partition: the high watermark of the last fetch response minus the
+trained offset (at least the records fetched but not trained); see `lag()`.
 """
 from __future__ import annotations
 
@@ -182,6 +181,7 @@ class KafkaSource:
         self._idle_since = time.monotonic()
         self._watch = BrokerWatch(url, self.stats)
         self._listener_error: BaseException | None = None
+        self._highwater: dict[str, int] = {}         # per partition, from the last fetch response
         self._consumer = connect_consumer(url)
         self._consumer.subscribe(list(url.topics), listener=Listener(self))
 
@@ -292,13 +292,18 @@ class KafkaSource:
         return False
 
     def lag(self) -> dict[str, int]:
-        """Per owned partition: records fetched but not yet trained.
+        """Per owned partition: records on the broker not yet trained -- the partition's
+        high watermark as the last fetch response reported it, minus the trained
+        offset -- and never less than the records fetched but not yet trained.
 
-        Counted, not taken from the broker's high watermark (wrong on some
-        brokers, tansu among them); while the source keeps up (it fetches
-        ahead until `max_buffered_records`) this is the trainer's backlog."""
+        The watermark comes with every fetch response (no extra request; the
+        ListOffsets answer is wrong on some brokers, tansu among them). While the
+        partitions are paused (backpressure) it is the last one seen, so the lag
+        shown is then a lower bound."""
         trained, fetched = dict(self._book.trained), dict(self._book.fetch_next)   # maybe a scrape thread
-        self.stats.lag = {n: max(0, fetched.get(n, off) - off) for n, (off, _) in trained.items()}
+        high = dict(self._highwater)
+        self.stats.lag = {n: max(0, fetched.get(n, off) - off, high.get(n, off) - off)
+                          for n, (off, _) in trained.items()}
         return self.stats.lag
 
     def close(self) -> None:
@@ -359,6 +364,9 @@ class KafkaSource:
         names, values, offsets, times, parts = [], [], [], [], []
         for tp, records in sorted(fetched.items()):
             name = partition_name(tp.topic, tp.partition)
+            high = self._consumer.highwater(tp) if name in self._book.trained else None
+            if high is not None:
+                self._highwater[name] = high
             if name not in self._book.trained or name in self._unpositioned or not records:
                 continue                    # revoked meanwhile, or not positioned yet
             offs = np.fromiter(map(_OFFSET, records), dtype=np.int64, count=len(records))
@@ -474,6 +482,8 @@ class KafkaSource:
         self._buffered = sum(map(len, self._buffer))
         self._unpositioned -= gone
         positions = self._book.release(names)     # checkpoints keep them from here on
+        for name in names:
+            self._highwater.pop(name, None)
         log.info("kafka: partitions %s %s", ", ".join(names),
                  "lost (group membership expired)" if lost else "revoked by a rebalance")
         if self._on_revoke is not None:

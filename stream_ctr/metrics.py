@@ -221,8 +221,12 @@ class TrainerMetrics:
         self._source.lag_fn, self._source.source = lag, source
 
     def watch_window(self, window: object) -> None:
-        """Run totals of a `PrequentialWindow` (read at scrape time)."""
+        """Totals of a `PrequentialWindow` (read at scrape time), counted from now: a
+        resumed window holds the whole run's totals, and a counter that started there
+        would drop below its last scrape after a crash (Prometheus takes that for a
+        reset and counts the run's totals again as new increase)."""
         self._run.window = window
+        self._run.baseline = {attr: float(getattr(window, attr)) for attr, _ in self._run.TOTALS}
 
     # -- events from the train loop ------------------------------------------------------
 

@@ -173,7 +173,7 @@ class RunCollector(Collector):
     SHORTS = ("event_freshness_seconds", "last_checkpoint_age_seconds", "last_merge_age_seconds",
               "prequential_records_total", "prequential_logloss_sum_total",
               "prequential_predicted_clicks_total", "prequential_clicks_total")
-    _TOTALS = (("total_records", "prequential_records_total"),
+    TOTALS = (("total_records", "prequential_records_total"),
                ("total_logloss_sum", "prequential_logloss_sum_total"),
                ("total_prob_sum", "prequential_predicted_clicks_total"),
                ("total_label_sum", "prequential_clicks_total"))
@@ -181,6 +181,7 @@ class RunCollector(Collector):
     def __init__(self, owner: "TrainerMetrics") -> None:
         self.owner = owner
         self.window: object | None = None
+        self.baseline: dict[str, float] = {}     # the window's totals when watching began
 
     def describe(self) -> Iterator[Metric]:
         return _families(self.SHORTS)
@@ -196,8 +197,8 @@ class RunCollector(Collector):
         if m.last_merge_s is not None:
             fams["last_merge_age_seconds"].add_metric(r, now - m.last_merge_s)
         if self.window is not None:
-            for attr, short in self._TOTALS:
-                fams[short].add_metric(r, float(getattr(self.window, attr)))
+            for attr, short in self.TOTALS:        # per process, like every other counter
+                fams[short].add_metric(r, float(getattr(self.window, attr)) - self.baseline.get(attr, 0.0))
         return iter(fams.values())
 
 

@@ -73,6 +73,22 @@ def test_resume_from_checkpoint_positions_inside_a_packed_message(kafka):
     assert rest.offset[0] == 2 and np.count_nonzero(rest.offset == 2) == 30
 
 
+def test_lag_counts_the_records_on_the_broker_not_only_the_buffer(kafka):
+    """Small fetches and a small buffer: the backlog is what the broker holds beyond the
+    trained offset (it used to be only the records fetched, capped by the buffer)."""
+    topic = kafka.topic()
+    kafka.produce(topic, LINES[:2000])
+    with open_source(kafka, topic, "g-lag", max_partition_fetch_bytes=4096,
+                     max_buffered_records=50, chunk=20) as source:
+        batch, _ = source.read(20)
+        while not len(batch):
+            batch, _ = source.read(20)
+        source.trained(batch)
+        lag = source.lag()[f"{topic}/0"]
+        fetched = source._book.fetch_next[f"{topic}/0"]
+    assert fetched < 1000 and lag == 2000 - len(batch)
+
+
 def test_backpressure_pauses_and_resumes_without_losing_records(kafka):
     topic = kafka.topic()
     kafka.produce(topic, [b"\n".join(LINES[i:i + 100]) for i in range(0, 3000, 100)])

@@ -260,6 +260,19 @@ def test_prequential_totals_from_the_window(reg):
     assert value(reg, "stream_ctr_prequential_logloss_sum_total") == pytest.approx(expected, rel=1e-5)
 
 
+def test_prequential_totals_of_a_resumed_window_count_from_the_resume(reg):
+    """A resumed window holds the run's totals; the counters start at 0 in the new process
+    (they used to start at the run's totals, and drop after a crash: a false reset)."""
+    window = PrequentialWindow(4)
+    window.add(np.array([0.9, 0.1], np.float32), np.array([1, 0], np.float32))   # before the resume
+    m = TrainerMetrics(reg)
+    m.watch_window(window)
+    assert value(reg, "stream_ctr_prequential_records_total") == 0
+    window.add(np.array([0.5], np.float32), np.array([1], np.float32))
+    assert value(reg, "stream_ctr_prequential_records_total") == 1
+    assert value(reg, "stream_ctr_prequential_clicks_total") == 1
+
+
 def test_process_metrics(reg):
     TrainerMetrics(reg, rank=3)
     rss = reg.get_sample_value("stream_ctr_process_resident_memory_bytes", {"rank": "3"})
