@@ -158,8 +158,12 @@ class LmdbTier:
 
     def undo_generations(self) -> list[int]:
         with self.env.begin() as txn:
-            cur = txn.cursor()
-            names = [bytes(k) for k in cur.iternext(values=False)] if cur.set_range(_UNDO) else []
+            return self._undo_generations(txn)
+
+    @staticmethod
+    def _undo_generations(txn: lmdb.Transaction) -> list[int]:
+        cur = txn.cursor()
+        names = [bytes(k) for k in cur.iternext(values=False)] if cur.set_range(_UNDO) else []
         return sorted(int(n[len(_UNDO):], 16) for n in names if n.startswith(_UNDO))
 
     def _undo_db(self, txn: lmdb.Transaction, gen: int, create: bool = False):
@@ -177,8 +181,19 @@ class LmdbTier:
             return txn.stat(self.rows_db)["entries"]
 
     def file_bytes(self) -> int:
+        """Bytes of data.mdb in use up to its highest page: a high-water mark, since LMDB
+        reuses freed pages but never shrinks the file."""
         info, stat = self.env.info(), self.env.stat()
         return (info["last_pgno"] + 1) * stat["psize"]
+
+    def used_bytes(self) -> int:
+        """Bytes of the pages the databases hold now (rows, metadata, undo logs and the
+        catalogue): what the tier occupies, falling again when rows are deleted."""
+        with self.env.begin() as txn:
+            stats = [self.env.stat(), txn.stat(self.rows_db), txn.stat(self.meta_db)]
+            stats += [txn.stat(self._undo_db(txn, gen)) for gen in self._undo_generations(txn)]
+        return sum(st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"] for st in stats) \
+            * stats[0]["psize"]
 
     def map_bytes(self) -> int:
         return self.env.info()["map_size"]

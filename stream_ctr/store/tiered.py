@@ -84,7 +84,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self._started = False
         self._sweep_from = 0
         self._disk_rows = self.disk.entries() if self.disk else 0
-        self._disk_bytes = self.disk.file_bytes() if self.disk else 0
+        self._disk_bytes = self.disk.used_bytes() if self.disk else 0
 
     def _open_disk(self, path: str) -> LmdbTier:
         return LmdbTier(path, self.layout, self.plan.disk_bytes, self._keep, self.read_only,
@@ -346,7 +346,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self.disk.apply(batch)
         self.counters.add(lmdb_written_rows=len(batch.put_keys) + len(batch.del_keys),
                           lmdb_write_seconds=time.perf_counter() - t0)
-        self._disk_rows, self._disk_bytes = self.disk.entries(), self.disk.file_bytes()
+        self._disk_rows, self._disk_bytes = self.disk.entries(), self.disk.used_bytes()
 
     def _resident(self, keys: torch.Tensor) -> torch.Tensor:
         return (self.cache.lookup(keys.to(self.device)).cpu() >= 0) | (self.ram.index.lookup(keys) >= 0)
@@ -401,7 +401,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self.cache.meta[cslots, WRITE_GEN] = gen
         self.ram.mark_clean(rslots, gen)
         self.counters.add(checkpoints=1, lmdb_written_rows=len(batch.put_keys))
-        self._disk_rows, self._disk_bytes = self.disk.entries(), self.disk.file_bytes()
+        self._disk_rows, self._disk_bytes = self.disk.entries(), self.disk.used_bytes()
         return {"kind": "tiered", "store_id": self.disk.store_id, "generation": gen, "nonce": nonce,
                 "store_dir": str(Path(self.disk.path).resolve()), "clock": self.clock,
                 "newest_event_ms": self.newest_event_ms, "dim": self.dim,
@@ -434,7 +434,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self.sketch.load_state_dict(state["sketch"])
         self._sweep_from = int(state.get("sweep_from", 0))     # older checkpoints lack it
         self._started = True
-        self._disk_rows, self._disk_bytes = self.disk.entries(), self.disk.file_bytes()
+        self._disk_rows, self._disk_bytes = self.disk.entries(), self.disk.used_bytes()
 
     def close(self) -> None:
         self.io.close()

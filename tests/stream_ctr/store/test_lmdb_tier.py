@@ -134,3 +134,16 @@ def test_reads_keep_the_mapped_lmdb_pages_within_their_budget(tmp_path):
     put(tier, keys[::2], 9, NONE)                        # writes keep working after a trim
     assert table(tier)[1] == 9 and table(tier)[2] == 7
     tier.close()
+
+
+def test_used_bytes_fall_when_rows_go_and_the_file_high_water_mark_does_not(tmp_path):
+    """The disk tier's byte gauge (and its near-budget alert) follows used_bytes: the
+    file only ever grows, as LMDB reuses freed pages instead of shrinking it."""
+    tier = LmdbTier(tmp_path, LAYOUT, 64 << 20, keep=2)
+    keys = np.arange(20_000, dtype=np.int64)
+    put(tier, keys, 1, ABSENT)                   # before the first checkpoint: no undo log
+    full_used, full_file = tier.used_bytes(), tier.file_bytes()
+    assert 20_000 * LAYOUT.row_bytes <= full_used <= full_file
+    tier.apply(WriteBatch(del_keys=keys[:19_000], del_old=np.full(19_000, NONE, np.int8)))
+    assert tier.used_bytes() < full_used / 5
+    assert tier.file_bytes() >= full_file          # copy-on-write: deleting wrote pages too
