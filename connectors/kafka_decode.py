@@ -68,7 +68,6 @@ def decode_messages(values: list[bytes], msg_partition: np.ndarray, msg_offset: 
         line_msg = np.arange(len(values))      # rejects index lines, rows index good rows
         row_msg = row_line
         line_in_message = np.zeros_like(row_line)
-        rows_per_message = np.bincount(row_msg, minlength=len(values)).astype(np.int64)
         no_line = []
     else:
         lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
@@ -81,8 +80,8 @@ def decode_messages(values: list[bytes], msg_partition: np.ndarray, msg_offset: 
         lines_per_message = np.bincount(line_msg[~empty], minlength=len(values))
         first_rank = np.cumsum(lines_per_message) - lines_per_message
         line_in_message = rank[row_line] - first_rank[row_msg]
-        rows_per_message = np.bincount(row_msg, minlength=len(values)).astype(np.int64)
         no_line = np.flatnonzero(lines_per_message == 0)
+    rows_per_message = np.bincount(row_msg, minlength=len(values)).astype(np.int64)
     batch.offset = msg_offset[row_msg].astype(np.int64)
     batch.partition = msg_partition[row_msg].astype(np.int32)
     batch.partitions = partitions

@@ -134,12 +134,6 @@ class PositionBook:
         given_up = set(self.released) - set(self.trained)
         return to_positions({**self.released, **self.trained}, given_up)
 
-    def note_fetched(self, name: str, offsets: np.ndarray, rows_per_message: np.ndarray) -> None:
-        """Record a fetched run of messages of `name` (ascending offsets)."""
-        if len(offsets):
-            self.fetch_next[name] = int(offsets[-1]) + 1
-            self.note_message_rows(name, offsets, rows_per_message)
-
     def note_message_rows(self, name: str, offsets: np.ndarray, rows_per_message: np.ndarray) -> None:
         """Record how many good rows the (decoded) messages at `offsets` of `name` hold."""
         packed = np.flatnonzero(rows_per_message > 1)

@@ -46,11 +46,10 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from connectors.files import SourceError, detect_format, open_binary
+from connectors.files import READ_ERRORS, SourceError, detect_format, open_binary
 from connectors.formats import RecordFormat
 from connectors.kafka_options import KafkaUrl, parse_kafka_url
 from connectors.kafka_sink import create_topic, make_producer, topic_partitions
@@ -262,7 +261,7 @@ def _data_lines(path, fmt: RecordFormat, resume: int, limit: int):
         while left:
             try:
                 chunk = stream.read(CHUNK_BYTES)
-            except (EOFError, zlib.error, OSError) as e:      # gzip.BadGzipFile is an OSError
+            except READ_ERRORS as e:         # a truncated or damaged gzip, an I/O error
                 raise _Stop(f"cannot read {path} past data line {offset - to_skip:,}, the file is "
                             f"truncated or corrupt ({_describe(e)})") from e
             data = tail + chunk

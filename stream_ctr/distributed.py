@@ -221,32 +221,13 @@ class DenseMerger:
         weighted by the records each rank trained (0: idle, or a skipped step, whose
         gradients must not count). Returns the node's records: the optimizer steps
         on every rank of the node when it is > 0, on none when it is 0."""
-        params = [p for p in self.model.parameters()]
+        params = list(self.model.parameters())
         for p in params:
             if p.grad is None or records == 0:      # idle, skipped (maybe NaN): counts nothing
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        device = grads[0].device
-        t0 = time.perf_counter()
-        with collective("averaging the node's dense gradients"):
-            total = torch.tensor([float(records)], dtype=torch.float64, device=device)
-            dist.all_reduce(total, group=self.node_group)
-            node_records = int(total.item())
-            flat = _flatten(grads)
-            flat.mul_(records / node_records if node_records else 0.0)
-            dist.all_reduce(flat, group=self.node_group)
-        _unflatten_into(flat, grads)
-        nbytes, n, dt = flat.numel() * flat.element_size(), dist.get_world_size(self.node_group), \
-            time.perf_counter() - t0
-        s = self.stats
-        s.node_merges += 1
-        s.payload_bytes += nbytes
-        s.sent_bytes += ring_allreduce_bytes(nbytes, n) + 8 * (n - 1)
-        s.seconds += dt
-        if self.on_merge is not None:
-            self.on_merge(dt, ring_allreduce_bytes(nbytes, n))
-        self._node_records = node_records
-        return node_records
+        self._node_records = self._average(self.node_group, records, [p.grad for p in params],
+                                           "averaging the node's dense gradients", node=True)
+        return self._node_records
 
     def after_step(self, records: int) -> None:
         """Count a lockstep step; merge globally (or, hierarchical, across nodes) every
@@ -267,7 +248,7 @@ class DenseMerger:
 
     def merge(self) -> None:
         group = self.cross_group if self.node_group is not None else None
-        self._average(group, self._records)
+        self._average(group, self._records, self.tensors(), "merging the dense replicas")
         self._records, self.steps_since_merge = 0, 0
 
     def broadcast_from(self, src: int = 0) -> None:
@@ -278,15 +259,16 @@ class DenseMerger:
             dist.broadcast(flat, src)
         _unflatten_into(flat, self.tensors())
 
-    def _average(self, group: dist.ProcessGroup | None, records: int) -> int:
-        """Records-weighted mean of the replica over `group`; returns the group's records."""
+    def _average(self, group: dist.ProcessGroup | None, records: int, tensors: list[torch.Tensor],
+                 what: str, node: bool = False) -> int:
+        """Records-weighted mean of `tensors` over `group` (in place); returns the
+        group's records. Counted in `stats` (a node's gradients, or a merge)."""
         n = dist.get_world_size(group)
         if n == 1:
             return records
         t0 = time.perf_counter()
-        tensors = self.tensors()
         device = tensors[0].device
-        with collective("merging the dense replicas"):
+        with collective(what):
             total = torch.tensor([float(records)], dtype=torch.float64, device=device)
             dist.all_reduce(total, group=group)
             total_records = float(total.item())
@@ -302,7 +284,10 @@ class DenseMerger:
         s.payload_bytes += nbytes
         s.sent_bytes += ring_allreduce_bytes(nbytes, n) + 8 * (n - 1)
         s.seconds += dt
-        s.merges += 1
+        if node:
+            s.node_merges += 1
+        else:
+            s.merges += 1
         if self.on_merge is not None:
             self.on_merge(dt, ring_allreduce_bytes(nbytes, n))
         return int(total_records)

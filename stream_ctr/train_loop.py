@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import signal
 import threading
 import time
@@ -30,8 +29,6 @@ from stream_ctr.streaming import (StreamBatcher, open_dead_letter, open_kafka_so
                                   stream_batches, stream_url)
 from stream_ctr.store import resume_store_config
 from stream_ctr.trainer import Trainer
-
-log = logging.getLogger("stream_ctr.train")
 
 
 @dataclass
@@ -172,7 +169,7 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-def resume_data_config(cfg: Config, saved: Config, resume: str) -> None:
+def resume_data_config(cfg: Config, saved: Config) -> None:
     """What a resumed run reads: the checkpoint's source and holdout unless the command
     names others. A resume that names none goes on with the same file and keeps its
     held-out lines held out (it used to fall back to the bundled sample, and to
@@ -180,11 +177,8 @@ def resume_data_config(cfg: Config, saved: Config, resume: str) -> None:
     new day of logs), from its first line."""
     default = Config().data
     for name in ("source", "holdout_fraction"):
-        mine, theirs = getattr(cfg.data, name), getattr(saved.data, name)
-        if mine == default.__dict__[name] and mine != theirs:
-            setattr(cfg.data, name, theirs)
-        elif mine != theirs:
-            log.info("resume %s: data.%s is %r (the checkpoint's run had %r)", resume, name, mine, theirs)
+        if getattr(cfg.data, name) == getattr(default, name):     # not named by the command
+            setattr(cfg.data, name, getattr(saved.data, name))
 
 
 class Run:
@@ -196,7 +190,7 @@ class Run:
             saved = Config.from_dict(state.config, origin=f"{resume} (checkpoint config)")
             cfg.model, cfg.optim = saved.model, saved.optim
             cfg.store = resume_store_config(cfg.store, saved.store)   # where its rows live
-            resume_data_config(cfg, saved, resume)
+            resume_data_config(cfg, saved)
         validate(cfg)
         configure_torch(cfg)
         self.cfg = cfg

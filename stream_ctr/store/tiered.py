@@ -142,12 +142,14 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         on_disk, disk_rows = self._read_disk(rest.numpy(), staged)
         self.counters.lookup("disk", int(on_disk.sum()), int((~on_disk).sum()))
         found_keys = rest.numpy()[on_disk]
-        disk_dead = self._expired(self._disk_meta(disk_rows)).numpy()
-        if disk_dead.any():
+        disk_keys = found_keys
+        disk_dead = (self._expired(self._disk_meta(disk_rows)).numpy() if self._ttl
+                     else np.zeros(len(found_keys), dtype=bool))
+        if disk_dead.any():                 # (no copy of the rows read when none expired)
             stale.append(Rows(torch.from_numpy(found_keys[disk_dead]),
                               torch.from_numpy(disk_rows[disk_dead]),
                               torch.zeros(int(disk_dead.sum()), dtype=torch.bool)))
-        disk_keys, disk_rows = found_keys[~disk_dead], disk_rows[~disk_dead]
+            disk_keys, disk_rows = found_keys[~disk_dead], disk_rows[~disk_dead]
         disk_live = np.zeros(len(rest), dtype=bool)
         disk_live[np.nonzero(on_disk)[0][~disk_dead]] = True
         disk_pos = look_pos[torch.from_numpy(disk_live)]

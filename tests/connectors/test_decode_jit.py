@@ -33,17 +33,9 @@ COLUMNS = ("labels", "dense", "keys", "event_time_ms", "partition", "offset")
 
 
 @contextlib.contextmanager
-def numpy_path():
-    saved, decode_mod._JIT = decode_mod._JIT, None
-    try:
-        yield
-    finally:
-        decode_mod._JIT = saved
-
-
-@contextlib.contextmanager
-def jit_path():
-    saved, decode_mod._JIT = decode_mod._JIT, decode_jit
+def decoder(jit: bool):
+    """decode_buffer through the compiled kernels (jit) or the numpy path."""
+    saved, decode_mod._JIT = decode_mod._JIT, (decode_jit if jit else None)
     try:
         yield
     finally:
@@ -52,9 +44,9 @@ def jit_path():
 
 def both(fn):
     """(fn() through the JIT path, fn() through the numpy path)."""
-    with jit_path():
+    with decoder(jit=True):
         fast = fn()
-    with numpy_path():
+    with decoder(jit=False):
         slow = fn()
     return fast, slow
 

@@ -91,7 +91,7 @@ def batch_of(offsets: list[int], partition: int = 0, names=("t/0",)) -> Batch:
 def test_fold_over_batches_that_split_a_packed_message():
     book = PositionBook()
     book.own("t/0", (10, 0))
-    book.note_fetched("t/0", np.array([10, 11, 12]), np.array([1, 4, 1]))   # message 11 holds 4 rows
+    book.note_message_rows("t/0", np.array([10, 11, 12]), np.array([1, 4, 1]))   # message 11 holds 4 rows
     book.advance(book.trained, batch_of([10, 11]))
     assert to_positions(book.trained) == {"t/0": 11, "t/0" + ROWS_DONE: 1}
     book.advance(book.trained, batch_of([11, 11]))
@@ -108,7 +108,7 @@ def test_resume_inside_a_packed_message_skips_the_trained_rows():
     batch = batch_of([11, 11, 11, 11, 12])
     kept = book.drop_skipped(batch)
     assert kept.offset.tolist() == [11, 12] and not book.skip
-    book.note_fetched("t/0", np.array([11, 12]), np.array([4, 1]))
+    book.note_message_rows("t/0", np.array([11, 12]), np.array([4, 1]))
     book.advance(book.trained, kept)
     assert to_positions(book.trained) == {"t/0": 13}
 
