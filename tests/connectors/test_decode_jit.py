@@ -85,10 +85,38 @@ def test_parse_int_equals_numpy(text):
     buf = np.frombuffer(text + b"\t" + bytes(8), np.uint8)
     starts, ends = np.array([0]), np.array([len(text)])
     values, ok, _ = decode_mod.parse_ints(buf, starts, ends)
-    value, jit_ok = decode_jit.parse_int(buf, 0, len(text))
-    assert jit_ok == ok[0]
-    if ok[0]:
-        assert value == values[0]
+    for parse in (decode_jit.parse_int, decode_jit.parse_short_int):
+        value, jit_ok = parse(buf, 0, len(text))
+        assert jit_ok == ok[0]
+        if ok[0]:
+            assert value == values[0]
+
+
+def test_short_int_parse_equals_numpy_on_random_spans():
+    """The 8-bytes-at-once parse against the numpy one: every length up to 9 (the
+    longer ones take the byte loop), digits mixed with every other byte value at
+    every position, with and without a sign."""
+    rng = random.Random(5)
+    digits = b"0123456789"
+    texts = []
+    for _ in range(6000):
+        length = rng.randrange(0, 10)
+        text = bytearray(rng.choice(digits) for _ in range(length))
+        if text and rng.random() < 0.3:
+            text[0] = ord("-")
+        if text and rng.random() < 0.5:
+            text[rng.randrange(length)] = rng.randrange(256)
+        texts.append(bytes(text))
+    buf = np.frombuffer(b"\t".join(texts) + b"\t" + bytes(8), np.uint8)
+    lengths = np.array([len(t) for t in texts])
+    ends = np.cumsum(lengths + 1) - 1
+    starts = ends - lengths
+    values, ok, _ = decode_mod.parse_ints(buf, starts, ends)
+    for i, (s, e) in enumerate(zip(starts.tolist(), ends.tolist())):
+        value, jit_ok = decode_jit.parse_short_int(buf, s, e)
+        assert jit_ok == ok[i], texts[i]
+        if jit_ok:
+            assert value == values[i], texts[i]
 
 
 # ------------------------------------------------------------ real samples
