@@ -106,6 +106,12 @@ class MetricsConfig:
     # RUN_DIR/timeseries.jsonl (for `stream-ctr report`): one record per
     # interval; 0 = off. Raise it (e.g. 60) for runs that last weeks.
     timeseries_every_s: float = 1.0
+    # Past this size the file is renamed to timeseries.jsonl.<n> and a new one
+    # started (stream_ctr/timeseries.py); 0 = never rotate. At most
+    # timeseries_keep_segments renamed files are kept, the oldest deleted:
+    # the defaults keep three to four weeks of 1 s intervals in about 576 MiB per rank.
+    timeseries_max_bytes: int = 64 << 20
+    timeseries_keep_segments: int = 8
     # Exported as stream_ctr_prequential_auc_baseline; the AUC alert fires
     # below it. 0 = no baseline.
     auc_baseline: float = 0.0
@@ -229,6 +235,8 @@ def parse_bytes(text: str | int) -> int:
 
 
 MODELS = ("deepfm", "wdl", "dcn", "dcnv2")
+# A smaller rotation size would rename the time series every few lines and keep almost nothing.
+TIMESERIES_MIN_BYTES = 64 << 10
 
 
 def validate(cfg: Config) -> Config:
@@ -265,6 +273,12 @@ def validate(cfg: Config) -> Config:
         (bool(cfg.metrics.addr.strip()), "metrics.addr must be an address to bind, e.g. 127.0.0.1"),
         (cfg.metrics.timeseries_every_s >= 0,
          f"metrics.timeseries_every_s must be >= 0, got {cfg.metrics.timeseries_every_s}"),
+        (cfg.metrics.timeseries_max_bytes == 0 or cfg.metrics.timeseries_max_bytes >= TIMESERIES_MIN_BYTES,
+         f"metrics.timeseries_max_bytes must be 0 (never rotate) or at least 64KiB (a few hundred "
+         f"intervals per file), got {cfg.metrics.timeseries_max_bytes}; e.g. 64MiB"),
+        (cfg.metrics.timeseries_keep_segments >= 1,
+         f"metrics.timeseries_keep_segments must be >= 1 (rotated files kept besides the current one), "
+         f"got {cfg.metrics.timeseries_keep_segments}"),
         (0 <= cfg.metrics.auc_baseline <= 1,
          f"metrics.auc_baseline must be in [0, 1], got {cfg.metrics.auc_baseline}"),
         (cfg.store.kind in ("memory", "tiered"),

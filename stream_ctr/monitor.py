@@ -41,7 +41,9 @@ class RunMonitor:
                                       auc_baseline=m.auc_baseline)
         self.server = MetricsServer(self.registry, m.port + local_rank, m.addr) if m.port else None
         self.series = (TimeSeriesLog(timeseries_path(run_dir, self.rank), m.timeseries_every_s,
-                                     records_before) if m.timeseries_every_s > 0 else None)
+                                     records_before, max_bytes=m.timeseries_max_bytes,
+                                     keep_segments=m.timeseries_keep_segments)
+                       if m.timeseries_every_s > 0 else None)
         if self.series is not None:
             self.series.append({"kind": "start", "t": time.time(), "rank": self.rank,
                                 "model": cfg.model.name, "source": cfg.data.source,

@@ -1,8 +1,8 @@
 """`stream-ctr report RUN_DIR`: PNG plots and a one-page HTML summary of a run.
 
 Reads the time series the trainer keeps in its run directory
-(`stream_ctr.timeseries`: ``timeseries.jsonl``, one file per rank) and writes
-into ``RUN_DIR/report/``:
+(`stream_ctr.timeseries`: ``timeseries.jsonl`` and its rotated segments
+``timeseries.jsonl.<n>``, one set per rank) and writes into ``RUN_DIR/report/``:
 
 - ``auc_logloss.png``  prequential AUC and logloss (sliding window) over records trained
 - ``throughput.png``   records trained per second over time
@@ -11,6 +11,15 @@ into ``RUN_DIR/report/``:
 - ``index.html``       the run's summary table with the four plots
 
 A resumed run continues the same files; restarts are drawn as dashed lines.
+
+Runs of weeks hold millions of interval records, more than a plot can show or
+memory should hold. The files are streamed line by line, segments oldest
+first, and each rank keeps at most `MAX_POINTS` intervals evenly spaced in
+interval count: every interval while they fit, then every 2nd, 4th, ... (when
+the kept points pass the bound, every other one is dropped and the stride
+doubles), plus the last interval read. Sampling, not averaging: a spike
+between two kept intervals does not show. The summary's numbers (records
+trained, the end record, the tiers seen) come from every record read.
 """
 from __future__ import annotations
 
@@ -19,18 +28,50 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from stream_ctr.config import ConfigError
-from stream_ctr.timeseries import read_timeseries
+from stream_ctr.timeseries import read_timeseries, timeseries_files
+
+# Intervals kept per rank for plotting: several per pixel of an 8-inch plot at 110 dpi.
+MAX_POINTS = 4000
 
 
 @dataclass
 class RankSeries:
+    """One rank's time series as the report holds it: `intervals` is an evenly
+    spaced sample (every `stride`-th interval read, then the last one); the
+    other fields account for every record read."""
     rank: int
     intervals: list[dict[str, Any]] = field(default_factory=list)
     starts: list[dict[str, Any]] = field(default_factory=list)
     end: dict[str, Any] | None = None
+    intervals_read: int = 0
+    stride: int = 1
+    last: dict[str, Any] | None = None
+    records_max: float = -math.inf         # most records trained in any interval
+    tiers: set[str] = field(default_factory=set)
+
+    def add_interval(self, rec: dict[str, Any], max_points: int) -> None:
+        """Count `rec` and keep it when it falls on the stride."""
+        if self.intervals_read % self.stride == 0:
+            self.intervals.append(rec)
+            if len(self.intervals) > max_points:
+                # the kept intervals are those numbered 0, stride, 2*stride ...; dropping
+                # every other one leaves 0, 2*stride ..., still evenly spaced
+                del self.intervals[1::2]
+                self.stride *= 2
+        self.intervals_read += 1
+        self.last = rec
+        records = _num(rec.get("records"))
+        if math.isfinite(records):
+            self.records_max = max(self.records_max, records)
+        self.tiers.update(rec.get("hit_ratio") or {})
+
+    def finish(self) -> None:
+        """The plots and the summary end at the last interval read, kept or not."""
+        if self.last is not None and (not self.intervals or self.intervals[-1] is not self.last):
+            self.intervals.append(self.last)
 
     def column(self, key: str) -> list[float]:
         return [_num(r.get(key)) for r in self.intervals]
@@ -66,29 +107,42 @@ def find_run_dir(path: str | Path) -> Path:
         except (OSError, KeyError, TypeError, json.JSONDecodeError):
             pass
     for c in candidates:
-        if (c / "timeseries.jsonl").exists():
+        if 0 in timeseries_files(c):    # rank 0's file, or only its segments (crash mid-rotation)
             return c
     raise ConfigError(f"report: no timeseries.jsonl in {p} or the run it belongs to; the trainer "
                       "writes it while training unless metrics.timeseries_every_s is 0")
 
 
-def load_series(run_dir: Path) -> list[RankSeries]:
+def load_series(run_dir: Path, max_points: int = MAX_POINTS) -> list[RankSeries]:
+    """Every rank's series, its files streamed in the order written, at most
+    `max_points` (+ the last) intervals kept per rank; ranks in order."""
     out = []
-    for path in sorted(run_dir.glob("timeseries*.jsonl")):
-        stem = path.stem.removeprefix("timeseries")
-        rank = int(stem.removeprefix("-rank")) if stem.startswith("-rank") else 0
+    for rank, paths in timeseries_files(run_dir).items():
         s = RankSeries(rank)
-        for rec in read_timeseries(path):
+        start_times: set[Any] = set()
+        for rec in _read_files(paths):
             kind = rec.get("kind")
             if kind == "interval" and "t" in rec:
-                s.intervals.append(rec)
+                s.add_interval(rec, max_points)
             elif kind == "start":
+                if rec.get("t") in start_times:
+                    continue        # the copy a rotation puts at the head of a new file
+                start_times.add(rec.get("t"))
                 s.starts.append(rec)
                 s.end = None        # an end belongs to the invocation it closed, not a later one
             elif kind == "end":
                 s.end = rec
+        s.finish()
         out.append(s)
-    return sorted(out, key=lambda s: s.rank)
+    return out
+
+
+def _read_files(paths: list[Path]) -> Iterator[dict[str, Any]]:
+    for path in paths:
+        try:
+            yield from read_timeseries(path)
+        except FileNotFoundError:
+            continue        # a live run rotated it away (deleted) since the listing
 
 
 def _axes_note(ax: Any, text: str) -> None:
@@ -122,7 +176,7 @@ def _line(ax: Any, series: list[RankSeries], x_key: str, y_key: str, label: str,
 
 
 def _tiers(series: list[RankSeries]) -> list[str]:
-    names = {t for s in series for r in s.intervals for t in (r.get("hit_ratio") or {})}
+    names = {t for s in series for t in s.tiers}
     order = {"device": 0, "host": 1, "disk": 2}
     return sorted(names, key=lambda t: (order.get(t, 9), t))
 
@@ -245,6 +299,5 @@ def write_report(path: str | Path, out: str | Path | None = None) -> Report:
     plots = plot_all(series, out_dir)
     index = out_dir / "index.html"
     index.write_text(render_html(run_dir, series, plots), encoding="utf-8")
-    records = int(max((_num(r.get("records")) for s in series for r in s.intervals
-                       if math.isfinite(_num(r.get("records")))), default=0))
+    records = int(max((s.records_max for s in series if math.isfinite(s.records_max)), default=0))
     return Report(index, plots, records)

@@ -14,19 +14,88 @@ what `stream-ctr report` plots. Each line is one JSON object with ``kind``:
 
 Unknown values are ``null``. Lines are flushed but not fsynced: losing the
 last second of a crashed run's plot is fine; an fsync per second is not.
+
+Rotation (runs of weeks would otherwise grow one file by GBs). Once the
+current file reaches ``max_bytes`` (``metrics.timeseries_max_bytes``, default
+64 MiB, two to three days of 1 s intervals; 0 = never rotate) it is renamed to
+the next numbered segment and a new current file is started::
+
+    timeseries.jsonl.1  timeseries.jsonl.2  ...  timeseries.jsonl.<n>  timeseries.jsonl
+    oldest ----------------------------------------------------------> newest (written now)
+
+Segment numbers only grow: the oldest kept has the lowest number and no file
+is renamed twice. Rank files rotate the same way (``timeseries-rank1.jsonl.<n>``).
+A resumed run appends to the current file it finds (rotating it first if it
+is already full) and numbers its next segment after the highest on disk.
+
+At most ``keep_segments`` segments (``metrics.timeseries_keep_segments``,
+default 8) are kept; older ones are deleted, so a rank's series takes about
+(keep_segments + 1) x max_bytes on disk and the report of a very long run
+shows its most recent part. A deleted segment takes its intervals with it,
+and the start/end records of invocations that lived only there. The start
+record of the invocation that is writing is copied to the head of every new
+current file, so the report still knows its model, source and start time;
+readers treat a start record whose ``t`` they have already seen as that
+copy, not as a new invocation.
+
+Order of a rotation, so that a crash at any point loses no line: close the
+current file; rename it to the segment (atomic: every line is under exactly
+one of the two names); open the new current file and copy the start record
+into it; only then delete the segments beyond ``keep_segments``. A crash
+after the rename leaves no current file (the writer creates it on resume,
+the report reads the segments); one before the deletion leaves a segment too
+many, removed at the next rotation.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TextIO
+
+from stream_ctr.config import MetricsConfig
+
+# timeseries.jsonl, timeseries-rank3.jsonl, timeseries.jsonl.12, timeseries-rank3.jsonl.12
+_FILE_NAME = re.compile(r"timeseries(?:-rank([0-9]+))?\.jsonl(?:\.([0-9]+))?")
 
 
 def timeseries_path(run_dir: str | Path, rank: int = 0) -> Path:
+    """The current (newest) time-series file of `rank` in `run_dir`."""
     name = "timeseries.jsonl" if rank == 0 else f"timeseries-rank{rank}.jsonl"
     return Path(run_dir) / name
+
+
+def segment_paths(path: str | Path) -> list[Path]:
+    """The rotated segments of the time-series file `path`, oldest first."""
+    p = Path(path)
+    numbered = []
+    if p.parent.is_dir():
+        for q in p.parent.iterdir():
+            suffix = q.name[len(p.name) + 1:]
+            if q.name.startswith(p.name + ".") and suffix.isascii() and suffix.isdigit():
+                numbered.append((int(suffix), q))
+    # numerically: timeseries.jsonl.10 comes after timeseries.jsonl.9
+    return [q for _, q in sorted(numbered)]
+
+
+def timeseries_files(run_dir: str | Path) -> dict[int, list[Path]]:
+    """Every rank's time-series files in `run_dir` in the order they were written:
+    its segments oldest first, then its current file (absent right after a crash
+    mid-rotation). Ranks without any file are not in the result."""
+    d = Path(run_dir)
+    segments: dict[int, list[tuple[float, Path]]] = {}
+    if d.is_dir():
+        for p in d.iterdir():
+            m = _FILE_NAME.fullmatch(p.name)
+            if m and p.is_file():
+                rank = int(m.group(1) or 0)
+                # the current file has no number and sorts after every segment
+                number = int(m.group(2)) if m.group(2) is not None else math.inf
+                segments.setdefault(rank, []).append((number, p))
+    return {rank: [p for _, p in sorted(files)] for rank, files in sorted(segments.items())}
 
 
 def _clean(x: Any) -> Any:
@@ -41,25 +110,77 @@ def _clean(x: Any) -> Any:
 
 
 class TimeSeriesLog:
-    """Appends a record every `every_s` seconds (checked per batch, so cheap to call often)."""
+    """Appends a record every `every_s` seconds (checked per batch, so cheap to call often).
+
+    Opens `path` for appending (a resumed run continues its file) and rotates it
+    into numbered segments once it holds `max_bytes` (0 = never), keeping at
+    most `keep_segments` of them; the module docstring has the scheme.
+    """
 
     def __init__(self, path: str | Path, every_s: float, records_before: int = 0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, *,
+                 max_bytes: int = MetricsConfig.timeseries_max_bytes,
+                 keep_segments: int = MetricsConfig.timeseries_keep_segments) -> None:
+        if max_bytes < 0 or keep_segments < 1:
+            raise ValueError(f"TimeSeriesLog: max_bytes must be >= 0 and keep_segments >= 1, "
+                             f"got {max_bytes} and {keep_segments}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.every_s = every_s
         self.records_before = records_before
         self.clock = clock
-        self._file = open(self.path, "a", encoding="utf-8")
+        self.max_bytes = max_bytes
+        self.keep_segments = keep_segments
+        segments = segment_paths(self.path)
+        self._next_segment = int(segments[-1].name.rsplit(".", 1)[1]) + 1 if segments else 1
+        self._start_line: str | None = None     # this invocation's start, copied into each new file
+        self._file: TextIO | None = None
+        self._bytes = 0                         # size of the current file
+        self._open()
+        if self._full():            # resumed into a file that is already full
+            self._rotate()
         self._last_t = clock()
         self._last_records = 0
         self._last_tiers: dict[str, dict[str, Any]] = {}
 
+    def _open(self) -> None:
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._bytes = os.fstat(self._file.fileno()).st_size
+        if self._bytes and not _ends_with_newline(self.path):
+            # a crash tore the last line: end it, or the next record would be glued to it
+            self._file.write("\n")
+            self._bytes += 1
+
+    def _full(self) -> bool:
+        return self.max_bytes > 0 and self._bytes >= self.max_bytes
+
+    def _write(self, line: str) -> None:
+        self._file.write(line)
+        self._file.flush()
+        # json.dumps escapes every non-ASCII character, so characters are bytes
+        self._bytes += len(line)
+
+    def _rotate(self) -> None:
+        """Current file -> next segment, a new current file, then drop old segments
+        (this order loses no line whatever step a crash interrupts)."""
+        self._file.close()
+        os.rename(self.path, self.path.with_name(f"{self.path.name}.{self._next_segment}"))
+        self._next_segment += 1
+        self._open()
+        if self._start_line is not None:
+            self._write(self._start_line)
+        for old in segment_paths(self.path)[:-self.keep_segments]:
+            old.unlink(missing_ok=True)
+
     def append(self, record: dict[str, Any]) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps(_clean(record), separators=(",", ":")) + "\n")
-        self._file.flush()
+        line = json.dumps(_clean(record), separators=(",", ":")) + "\n"
+        if record.get("kind") == "start":
+            self._start_line = line
+        self._write(line)
+        if self._full():
+            self._rotate()
 
     @property
     def last_records(self) -> int:
@@ -108,3 +229,9 @@ def read_timeseries(path: str | Path) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
             except json.JSONDecodeError:
                 continue
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
