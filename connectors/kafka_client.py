@@ -33,27 +33,41 @@ def unreachable_message(url: KafkaUrl, error: Exception) -> str:
 
 
 def connect_consumer(url: KafkaUrl):
-    """A KafkaConsumer in `url`'s group: auto-commit off, no topic auto-creation, large fetches."""
+    """A consumer in `url`'s group: auto-commit off, no topic auto-creation, large fetches.
+
+    kafka-python's KafkaConsumer, or with ``kafka.client = confluent`` the
+    librdkafka one behind the same calls (`connectors.kafka_confluent`)."""
     from kafka import KafkaConsumer
     from kafka.errors import KafkaError
     o = url.options
     try:
-        consumer = KafkaConsumer(
-            **client_config(url), group_id=o.group, enable_auto_commit=False,
-            auto_offset_reset="earliest", allow_auto_create_topics=False,
-            max_poll_records=o.max_poll_records, fetch_max_bytes=o.fetch_max_bytes,
-            max_partition_fetch_bytes=o.max_partition_fetch_bytes,
-            fetch_max_wait_ms=int(min(500, o.poll_timeout_s * 1000)),
-            session_timeout_ms=o.session_timeout_ms, heartbeat_interval_ms=o.heartbeat_interval_ms)
+        if o.client == "confluent":
+            consumer = _confluent_consumer(url)
+        else:
+            consumer = KafkaConsumer(
+                **client_config(url), group_id=o.group, enable_auto_commit=False,
+                auto_offset_reset="earliest", allow_auto_create_topics=False,
+                max_poll_records=o.max_poll_records, fetch_max_bytes=o.fetch_max_bytes,
+                max_partition_fetch_bytes=o.max_partition_fetch_bytes,
+                fetch_max_wait_ms=int(min(500, o.poll_timeout_s * 1000)),
+                session_timeout_ms=o.session_timeout_ms, heartbeat_interval_ms=o.heartbeat_interval_ms)
+        missing = [t for t in url.topics if not consumer.partitions_for_topic(t)]
     except KafkaError as e:
         raise SourceError(unreachable_message(url, e)) from None
-    missing = [t for t in url.topics if not consumer.partitions_for_topic(t)]
     if missing:
         consumer.close(autocommit=False)
         raise SourceError(f"topic {', '.join(map(repr, missing))} does not exist on "
                           f"{','.join(url.bootstrap)} (create it, e.g. with "
                           f"`stream-ctr replay FILE --to {url.text} --partitions N`)")
     return consumer
+
+
+def _confluent_consumer(url: KafkaUrl):
+    from connectors import kafka_confluent
+    if not kafka_confluent.available():
+        raise SourceError("kafka.client = confluent needs the confluent-kafka package "
+                          "(pip install confluent-kafka), or use kafka.client = kafka-python")
+    return kafka_confluent.ConfluentConsumer(url)
 
 
 class BrokerWatch:

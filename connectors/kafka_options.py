@@ -2,7 +2,7 @@
 
 A Kafka source is named by a URL::
 
-    kafka://HOST:PORT[,HOST:PORT...]/TOPIC[,TOPIC...][?group=G&format=criteo&value=text&start=earliest]
+    kafka://HOST:PORT[,HOST:PORT...]/TOPIC[,TOPIC...][?group=G&format=criteo&value=text&start=earliest&client=kafka-python]
 
 The query keys override the `KafkaOptions` fields of the same name (`value`
 is `value_format`).  Secrets never live in the URL or in the options (the
@@ -27,7 +27,9 @@ SCHEME = "kafka://"
 VALUE_FORMATS = ("text", "json")
 SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL_MECHANISMS = ("", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
-URL_KEYS = {"group": "group", "format": "format", "value": "value_format", "start": "start"}
+CLIENTS = ("kafka-python", "confluent")
+URL_KEYS = {"group": "group", "format": "format", "value": "value_format", "start": "start",
+            "client": "client"}
 
 
 @dataclass
@@ -56,6 +58,10 @@ class KafkaOptions:
     reconnect_backoff_max_s: float = 10.0      # mid-stream outage: retry interval grows to this
     commit_timeout_s: float = 30.0             # a group commit that fails longer is logged and skipped
     client_id: str = "stream-ctr"
+    # The consumer library: kafka-python (default, pure Python) or confluent
+    # (librdkafka: fetches in C off the GIL, ~2x the packed-message throughput;
+    # pip install confluent-kafka).  Producers (replay, dead letters) use kafka-python.
+    client: str = "kafka-python"
     security_protocol: str = "PLAINTEXT"       # PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL
     sasl_mechanism: str = ""                   # PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512
     sasl_username: str = ""
@@ -83,6 +89,8 @@ class KafkaOptions:
              f"{prefix}session_timeout_ms must exceed {prefix}heartbeat_interval_ms"),
             (self.connect_timeout_s > 0 and self.reconnect_backoff_max_s > 0 and self.commit_timeout_s > 0,
              f"{prefix}connect_timeout_s, reconnect_backoff_max_s and commit_timeout_s must be > 0"),
+            (self.client in CLIENTS, f"{prefix}client must be one of {', '.join(CLIENTS)}, "
+                                     f"got {self.client!r}"),
             (self.security_protocol in SECURITY_PROTOCOLS,
              f"{prefix}security_protocol must be one of {', '.join(SECURITY_PROTOCOLS)}, "
              f"got {self.security_protocol!r}"),
@@ -178,13 +186,18 @@ def client_config(url: KafkaUrl) -> dict:
         config.update(ssl_check_hostname=o.ssl_check_hostname, ssl_cafile=o.ssl_cafile or None,
                       ssl_certfile=o.ssl_certfile or None, ssl_keyfile=o.ssl_keyfile or None)
     if o.sasl_mechanism:
-        password = os.environ.get(o.sasl_password_env)
-        if password is None:
-            raise SourceError(f"kafka.sasl_mechanism is {o.sasl_mechanism} but the environment "
-                              f"variable {o.sasl_password_env} (kafka.sasl_password_env) is not set")
         config.update(sasl_mechanism=o.sasl_mechanism, sasl_plain_username=o.sasl_username,
-                      sasl_plain_password=password)
+                      sasl_plain_password=sasl_password(o))
     return config
+
+
+def sasl_password(o: KafkaOptions) -> str:
+    """The SASL password from the environment variable `o.sasl_password_env`; SourceError if unset."""
+    password = os.environ.get(o.sasl_password_env)
+    if password is None:
+        raise SourceError(f"kafka.sasl_mechanism is {o.sasl_mechanism} but the environment "
+                          f"variable {o.sasl_password_env} (kafka.sasl_password_env) is not set")
+    return password
 
 
 def check_crc32c() -> bool:

@@ -5,6 +5,9 @@ Fixtures
   fresh_broker      a broker of the test's own, for tests that stop/restart it;
   kafka             helpers bound to the session broker: unique topics, producing,
                     committed offsets, reading a topic back.
+  kafka_client      parametrizes a test over both consumer clients (kafka-python and
+                    confluent-kafka): `kafka_test_options` / `kafka_set_args` then
+                    carry ``client`` for the test's duration.
 Each test uses its own topic.  Tests use a 6 s session timeout: tansu admits a
 group member only after half of it.  Only 127.0.0.1 is ever contacted, and only
 processes started here are stopped.
@@ -22,6 +25,18 @@ from connectors.local_broker import LocalBroker
 
 TEST_KAFKA = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000, "connect_timeout_s": 10.0,
               "reconnect_backoff_max_s": 1.0, "commit_timeout_s": 10.0}
+
+
+CLIENTS = ("kafka-python", "confluent")
+
+
+@pytest.fixture(params=CLIENTS)
+def kafka_client(request, monkeypatch) -> str:
+    """Run the test once per consumer client; confluent-kafka is a test dependency."""
+    if request.param == "confluent":
+        pytest.importorskip("confluent_kafka")
+    monkeypatch.setitem(TEST_KAFKA, "client", request.param)
+    return request.param
 
 
 def kafka_test_options(**overrides) -> KafkaOptions:

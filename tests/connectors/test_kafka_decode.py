@@ -146,3 +146,17 @@ def test_security_options_pass_through_and_the_password_comes_from_the_environme
             config["sasl_plain_password"], config["ssl_cafile"]) == \
         ("SASL_SSL", "SCRAM-SHA-512", "trainer", "s3cret", "/etc/ca.pem")
     assert "s3cret" not in repr(options)          # options go into checkpoints; secrets never do
+    # the same options for librdkafka (kafka.client = confluent)
+    from connectors.kafka_confluent import librdkafka_config
+    rd = librdkafka_config(url)
+    assert (rd["bootstrap.servers"], rd["security.protocol"], rd["sasl.mechanism"], rd["sasl.username"],
+            rd["sasl.password"], rd["ssl.ca.location"], rd["ssl.endpoint.identification.algorithm"]) == \
+        ("b1:9093,b2:9093", "SASL_SSL", "SCRAM-SHA-512", "trainer", "s3cret", "/etc/ca.pem", "https")
+    assert rd["enable.auto.commit"] is False and rd["allow.auto.create.topics"] is False
+
+
+def test_the_consumer_client_is_an_option():
+    assert parse_kafka_url("kafka://h:1/t?client=confluent").options.client == "confluent"
+    assert parse_kafka_url("kafka://h:1/t").options.client == "kafka-python"
+    with pytest.raises(SourceError, match="kafka.client must be one of kafka-python, confluent"):
+        parse_kafka_url("kafka://h:1/t?client=librdkafka")

@@ -15,6 +15,8 @@ from connectors.kafka_sink import KafkaDeadLetter
 from tests.kafka_broker import kafka_test_options
 
 LINES = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:3000]
+# Every test runs with both consumer clients (the kafka_client fixture sets kafka.client).
+pytestmark = pytest.mark.usefixtures("kafka_client")
 
 
 def open_source(kafka, topic, group, positions=None, on_revoke=None, **options):
@@ -36,10 +38,12 @@ def drain(source, max_records=None, train=True):
     return Batch.concat(got) if got else None
 
 
-def test_reads_every_record_once_with_kafka_offsets_and_commits(kafka):
+def test_reads_every_record_once_with_kafka_offsets_and_commits(kafka, kafka_client):
     topic = kafka.topic(partitions=3)
     kafka.produce(topic, LINES[:900], partitions=[i % 3 for i in range(900)])
     with open_source(kafka, topic, "g-read") as source:
+        assert type(source._consumer).__name__ == {"kafka-python": "KafkaConsumer",
+                                                   "confluent": "ConfluentConsumer"}[kafka_client]
         rows = drain(source)
         positions = source.trained_positions
         assert source.commit(positions)

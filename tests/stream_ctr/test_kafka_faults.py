@@ -96,7 +96,7 @@ def checkpointed(run_dir: Path) -> int:
     return load_checkpoint(run_dir).records_trained if (run_dir / "checkpoints" / "LATEST").exists() else 0
 
 
-def test_sigkill_at_several_points_then_resume_is_bit_identical(kafka, tmp_path):
+def test_sigkill_at_several_points_then_resume_is_bit_identical(kafka, tmp_path, kafka_client):
     total = 1600                          # 25 batches of 64
     topic = kafka.topic()
     replay_file("criteo:sample", kafka.url(topic), limit=total)
@@ -135,7 +135,8 @@ def test_sigkill_at_several_points_then_resume_is_bit_identical(kafka, tmp_path)
 
 
 @pytest.mark.parametrize("store", ["memory", "tiered"])
-def test_a_second_consumer_joins_and_leaves_every_record_trained_once(kafka, tmp_path, store):
+def test_a_second_consumer_joins_and_leaves_every_record_trained_once(kafka, tmp_path, store,
+                                                                     kafka_client):
     """With the tiered store the trainer holds the batch after the current one (its rows
     are prefetched): the rebalance must drop its rows of revoked partitions even when the
     group gives the same partitions straight back (eager revocation revokes them all)."""
@@ -171,7 +172,7 @@ def test_a_second_consumer_joins_and_leaves_every_record_trained_once(kafka, tmp
     assert kafka.committed(f"rebalance-{store}", topic, 4) == {f"{topic}/{p}": records // 4 for p in range(4)}
 
 
-def test_broker_outage_the_trainer_waits_says_so_and_continues(fresh_broker, tmp_path):
+def test_broker_outage_the_trainer_waits_says_so_and_continues(fresh_broker, tmp_path, kafka_client):
     kafka = KafkaHelper(fresh_broker.bootstrap)
     topic, half = "outage", 640
     replay_to = kafka.url(topic)

@@ -117,8 +117,10 @@ def test_bench_ingest_prints_both_clients_for_both_layouts(kafka, capsys):
                  "--packed", "100", "--repeat", "1", "--json", "--quiet"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = result["rows"]
-    assert [(r["layout"], r["client"][:5]) for r in rows] == [
-        ("1 record/message", "kafka"), ("1 record/message", "Kafka"),
-        ("packed 100/message", "kafka"), ("packed 100/message", "Kafka")]
+    assert [(r["layout"], r["client"]) for r in rows] == [
+        (layout, client) for layout in ("1 record/message", "packed 100/message")
+        for client in ("kafka-python loop (a)", "KafkaSource + decode (b)",
+                       "confluent-kafka loop (a')", "KafkaSource client=confluent (b')")]
     assert all(r["records"] == 3000 and r["records_per_s"] > 0 and r["mb_per_s"] > 0 for r in rows)
-    assert rows[1]["ratio_b_a"] > 0 and result["crc32c"] is True
+    assert rows[1]["ratio_b_a"] > 0 and rows[3]["ratio_b_a"] > 0 and rows[3]["ratio_vs_a"] > 0
+    assert result["crc32c"] is True
