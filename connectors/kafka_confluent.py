@@ -116,7 +116,7 @@ class ConfluentConsumer:
     def __init__(self, url: KafkaUrl) -> None:
         from confluent_kafka import Consumer
         self._timeout_s = url.options.connect_timeout_s
-        self._fatal: str | None = None
+        self._fatal = None                  # a fatal librdkafka error, raised by the next poll
         self._lock = threading.Lock()       # error_cb runs on librdkafka's threads
         config = librdkafka_config(url)
         config["error_cb"] = self._on_error
@@ -128,18 +128,15 @@ class ConfluentConsumer:
     def _on_error(self, err) -> None:
         if err.name() in _FATAL_AUTH or err.fatal():
             with self._lock:
-                self._fatal = f"{err.str()} ({err.name()})"
+                self._fatal = err
         else:   # transport errors during an outage: BrokerWatch logs the outage once
             log.debug("kafka (librdkafka): %s", err.str())
 
     def _raise_fatal(self) -> None:
-        from kafka import errors
         with self._lock:
             fatal, self._fatal = self._fatal, None
         if fatal is not None:
-            cls = errors.SaslAuthenticationFailedError if "AUTH" in fatal or "SSL" in fatal \
-                else errors.KafkaError
-            raise cls(f"librdkafka: {fatal}")
+            raise _kafka_error(Exception(fatal), "librdkafka")
 
     # -- metadata ------------------------------------------------------------
     def partitions_for_topic(self, topic: str) -> set[int] | None:
