@@ -1,0 +1,15 @@
+"""Sources and sinks (installed as `stream_ctr.connectors`).
+
+    batch         the Batch contract: columnar rows with their source positions
+    formats       record layouts (Criteo TSV, Avazu CSV)
+    hashing       64-bit feature signs of (field, token)
+    decode        vectorized numpy line decoder; decode_jit its compiled twin;
+                  decode_tables what both share
+    files         file sources (plain or gzip), bundled samples
+    dead_letter   where records that did not decode go
+    synth         synthetic Criteo-format streams with a hidden teacher
+    kafka/        the Kafka consumer source, sink, replay and positions
+
+Depends on numpy (and kafka clients for kafka/), never on the rest of
+stream_ctr: the trainer imports connectors, not the other way round.
+"""

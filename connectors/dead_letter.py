@@ -16,7 +16,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from connectors.batch import Rejected
+from stream_ctr.connectors.batch import Rejected
 
 
 class DeadLetterFile:

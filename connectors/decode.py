@@ -20,7 +20,7 @@ over memory, since numpy's cost here is one pass per operation:
   sign read from that same word; Criteo's integer features take their keys
   from a per-field table for the values most counts have (`_IntKeyTable`)
   instead of a logarithm and a hash per value;
-- tokens are hashed by `connectors.hashing.hash_spans` straight into the key
+- tokens are hashed by `stream_ctr.connectors.hashing.hash_spans` straight into the key
   matrix.
 
 Python loops run over blocks, over rejected lines and over the rare integers
@@ -28,7 +28,7 @@ longer than 8 characters, never over records.  Tests check it against an
 independent per-line Python reference (tests/connectors/decode_reference.py).
 
 When numba imports (and STREAM_CTR_NO_JIT=1 is not set), `decode_buffer`
-hands the lines to the compiled decoder of `connectors.decode_jit` instead:
+hands the lines to the compiled decoder of `stream_ctr.connectors.decode_jit` instead:
 one pass over the bytes, without the GIL, ~2x faster, and bit-identical to
 this numpy path (tests/connectors/test_decode_jit.py), which stays as the
 fallback.
@@ -40,13 +40,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from connectors.batch import Batch, Rejected
-from connectors.formats import RecordFormat
-from connectors.hashing import field_salt, hash_ints, hash_spans, word_view
-
-# Reject reasons; the index is the code used inside this module (0 = decoded).
-REASONS = ("ok", "field_count", "bad_label", "bad_integer", "bad_time")
-OK, FIELD_COUNT, BAD_LABEL, BAD_INTEGER, BAD_TIME = range(len(REASONS))
+from stream_ctr.connectors.batch import Batch, Rejected
+from stream_ctr.connectors.formats import RecordFormat
+from stream_ctr.connectors.hashing import hash_spans, word_view
+from stream_ctr.connectors.decode_tables import (  # noqa: F401 (REASONS, criteo_buckets: public here too)
+    REASONS, OK, FIELD_COUNT, BAD_LABEL, BAD_INTEGER, BAD_TIME, _Columns, criteo_buckets, signed_log1p, _signed_log1p_into, _IntKeyTable, _CRITEO_INT_KEYS, _CRITEO_CAT_SALT, _DAYS_IN_MONTH, _AVAZU_CAT_SALT, _HOUR_OF_DAY_KEYS, _DAY_OF_WEEK_KEYS)
 
 _LF, _CR, _MINUS, _ZERO = 10, 13, 45, 48
 _MAX_DIGITS = 18                     # |value| < 10**18 always fits int64
@@ -60,24 +58,6 @@ _MS_PER_HOUR = 3_600_000
 # pay numpy's per-call overhead (about 70 calls a block) too often.  Measured
 # best at 1024-4096 lines.
 BLOCK_BYTES = 512 << 10
-
-
-class _Columns(NamedTuple):
-    """Decoded columns of a run of lines, one row per line (rejected lines too)."""
-    labels: np.ndarray          # float32 [m]
-    dense: np.ndarray           # float32 [m, D]
-    keys: np.ndarray            # int64 [m, F]
-    event_time_ms: np.ndarray   # int64 [m]
-    reason: np.ndarray          # int8 [m], OK where the row decoded
-
-    @staticmethod
-    def empty(m: int, fmt: RecordFormat) -> "_Columns":
-        return _Columns(np.empty(m, np.float32), np.empty((m, fmt.n_dense), np.float32),
-                        np.empty((m, fmt.n_keys), np.int64), np.empty(m, np.int64),
-                        np.empty(m, np.int8))
-
-    def rows(self, lo: int, hi: int) -> "_Columns":
-        return _Columns(*(column[lo:hi] for column in self))
 
 
 def line_buffer(data: bytes | bytearray | memoryview) -> tuple[np.ndarray, int]:
@@ -337,67 +317,6 @@ def _parse_long(buf: np.ndarray, starts: np.ndarray, length: np.ndarray, idx: np
     ok[idx] = good
 
 
-def criteo_buckets(values: np.ndarray) -> np.ndarray:
-    """Criteo-winners integer buckets: v if v <= 2 else floor(ln(v)**2)."""
-    logs = np.log(np.maximum(values, 2).astype(np.float64))
-    return np.where(values <= 2, values, np.floor(logs * logs).astype(np.int64))
-
-
-def signed_log1p(values: np.ndarray, missing: np.ndarray) -> np.ndarray:
-    """sign(x) * log1p(|x|) as float32, 0 where missing."""
-    mag = np.log1p(np.abs(values).astype(np.float32))
-    return np.where(missing, np.float32(0), np.copysign(mag, values.astype(np.float32)))
-
-
-def _signed_log1p_into(values: np.ndarray, out: np.ndarray) -> None:
-    """`signed_log1p` written into `out`, for values that are 0 where missing
-    (what `parse_ints` gives): copysign(log1p(0), +0.0) is the same +0.0.
-    abs(float32(v)) == float32(abs(v)) since rounding is symmetric."""
-    as_float = values.astype(np.float32)
-    mag = np.abs(as_float)
-    np.log1p(mag, out=mag)
-    np.copysign(mag, as_float, out=out)
-
-
-class _IntKeyTable:
-    """Keys of Criteo's integer features for the values most counts have.
-
-    The key of I_j is ``hash_ints(criteo_buckets(v), j)``, or the field's
-    missing sign: a logarithm and a 10-step hash per value.  For v in [LOW,
-    HIGH) and for missing values it is read from a table built once with
-    those same functions (so it is the same key); the rare values outside
-    (about 1% in Criteo-like data) are computed.
-    """
-    LOW, HIGH = -16, 1 << 14
-
-    def __init__(self, n_fields: int) -> None:
-        values = np.arange(self.LOW, self.HIGH, dtype=np.int64)
-        fields = np.arange(n_fields)
-        missing = hash_ints(np.zeros(n_fields, np.int64), fields, np.ones(n_fields, bool))
-        self.span = len(values) + 1                   # the last slot of a field: its missing sign
-        self.table = np.concatenate([np.append(hash_ints(criteo_buckets(values), j), missing[j])
-                                     for j in range(n_fields)])
-        self.base = fields * self.span - self.LOW
-        self.missing_step = np.int64(self.span - 1 + self.LOW)   # value 0 -> the missing slot
-
-    def keys(self, values: np.ndarray, missing: np.ndarray) -> np.ndarray:
-        """Keys [m, n_fields] of `values` [m, n_fields] (0 where `missing`)."""
-        index = np.clip(values, self.LOW, self.HIGH - 1)
-        outside = index != values
-        index += self.base
-        index += missing * self.missing_step
-        keys = np.take(self.table, index, mode="clip")
-        if outside.any():
-            flat = np.flatnonzero(outside)
-            fields = flat % values.shape[1]
-            keys.reshape(-1)[flat] = hash_ints(criteo_buckets(values.reshape(-1)[flat]), fields)
-        return keys
-
-
-_CRITEO_INT_KEYS = _IntKeyTable(13)
-_CRITEO_CAT_SALT = field_salt(np.arange(13, 39))
-
-
 def _decode_criteo(buf: np.ndarray, line_start: np.ndarray, fe: np.ndarray, out: _Columns) -> None:
     out.labels[:], label_ok = parse_labels(buf, line_start, fe[:, 0])
     values, int_ok, missing = parse_ints(buf, fe[:, 0:13] + 1, fe[:, 1:14])
@@ -407,9 +326,6 @@ def _decode_criteo(buf: np.ndarray, line_start: np.ndarray, fe: np.ndarray, out:
     starts = fe[:, 13:39] + 1
     hash_spans(word_view(buf), starts, fe[:, 14:] - starts, _CRITEO_CAT_SALT, out=out.keys[:, 13:])
     out.event_time_ms[:] = -1
-
-
-_DAYS_IN_MONTH = np.array([0, 31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31], dtype=np.int64)
 
 
 def days_from_civil(year: np.ndarray, month: np.ndarray, day: np.ndarray) -> np.ndarray:
@@ -436,11 +352,6 @@ def parse_avazu_hour(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray
     return np.where(ok, hours, 0), ok
 
 
-_AVAZU_CAT_SALT = field_salt(np.arange(21))
-_HOUR_OF_DAY_KEYS = hash_ints(np.arange(24), 21)
-_DAY_OF_WEEK_KEYS = hash_ints(np.arange(7), 22)
-
-
 def _decode_avazu(buf: np.ndarray, line_start: np.ndarray, fe: np.ndarray, out: _Columns) -> None:
     out.labels[:], label_ok = parse_labels(buf, fe[:, 0] + 1, fe[:, 1])
     hours, time_ok = parse_avazu_hour(buf, fe[:, 1] + 1, fe[:, 2])
@@ -456,12 +367,12 @@ _DECODERS = {"criteo": _decode_criteo, "avazu": _decode_avazu}
 
 
 def _load_jit():
-    """connectors.decode_jit (numba line decoder) if numba imports and
+    """stream_ctr.connectors.decode_jit (numba line decoder) if numba imports and
     STREAM_CTR_NO_JIT=1 is not set; else None and `decode_buffer` uses numpy."""
     if os.environ.get("STREAM_CTR_NO_JIT", "") == "1":
         return None
     try:
-        from connectors import decode_jit
+        from stream_ctr.connectors import decode_jit
     except ImportError:
         return None
     return decode_jit

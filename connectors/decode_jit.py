@@ -1,4 +1,4 @@
-"""Compiled (numba) line decoder: the fast path of `connectors.decode.decode_buffer`.
+"""Compiled (numba) line decoder: the fast path of `stream_ctr.connectors.decode.decode_buffer`.
 
 The numpy decoder makes ~70 passes over each block of lines; this one makes
 one pass over the bytes, line by line, field by field, and writes the same
@@ -10,7 +10,7 @@ point is involved:
 
 - splitting, the reject rules (`decode.REASONS`, same precedence: field count,
   then label, then integers / time), integer parsing and the token hash
-  (`connectors.hashing`: splitmix64 over 8-byte little-endian chunks, uint64
+  (`stream_ctr.connectors.hashing`: splitmix64 over 8-byte little-endian chunks, uint64
   arithmetic) are integer code, re-implemented here;
 - everything that takes a logarithm (Criteo's dense features and integer
   bucket keys) comes from tables that the numpy path's own functions fill
@@ -32,13 +32,14 @@ from numba import njit
 from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import intrinsic
 
-from connectors import decode as _np_decode
-from connectors.formats import RecordFormat
-from connectors.hashing import _LEN_MASK, GOLDEN   # _LEN_MASK[k] keeps the low k bytes of a word
+from stream_ctr.connectors import decode_tables as _np_decode
+from stream_ctr.connectors.hashing import hash_ints
+from stream_ctr.connectors.formats import RecordFormat
+from stream_ctr.connectors.hashing import _LEN_MASK, GOLDEN   # _LEN_MASK[k] keeps the low k bytes of a word
 
 FORMATS = ("criteo", "avazu")
 
-# Same codes as connectors.decode (REASONS index).
+# Same codes as stream_ctr.connectors.decode (REASONS index).
 _OK, _FIELD_COUNT, _BAD_LABEL, _BAD_INTEGER, _BAD_TIME = range(5)
 _LF, _CR, _MINUS, _ZERO = 10, 13, 45, 48
 _MAX_DIGITS = 18
@@ -79,7 +80,7 @@ def popcount(typingctx, x):
 
 @njit(nogil=True, cache=True)
 def mix64(x):
-    """splitmix64 finalizer of a uint64 (connectors.hashing.mix64)."""
+    """splitmix64 finalizer of a uint64 (stream_ctr.connectors.hashing.mix64)."""
     x ^= x >> _S30
     x *= _M1
     x ^= x >> _S27
@@ -109,7 +110,7 @@ def load_word(buf, pos, n):
 @njit(nogil=True, cache=True, inline="always")
 def hash_span(buf, start, length, salt):
     """Key of the token buf[start:start+length] in the field with `salt`
-    (connectors.hashing.hash_spans for one span): one mix per 8-byte chunk,
+    (stream_ctr.connectors.hashing.hash_spans for one span): one mix per 8-byte chunk,
     and one zero chunk for an empty token."""
     state = mix64((np.uint64(length) * _GOLDEN + salt) ^ load_word(buf, start, min(length, 8)))
     if length > 8:              # rare in click logs; kept off the common path's branches
@@ -406,7 +407,7 @@ def decode(buf: np.ndarray, n_bytes: int, fmt: RecordFormat):
     """Decode the LF-terminated lines of buf[:n_bytes] (8 bytes of slack after them).
 
     Returns (columns, line_start, line_lf) as `decode_buffer`'s block loop
-    fills them: a `decode._Columns` with one row per line, rejected lines
+    fills them: a `decode_tables._Columns` with one row per line, rejected lines
     included (their reason set, their other values unspecified).
     """
     global _TABLES
@@ -440,7 +441,7 @@ def decode(buf: np.ndarray, n_bytes: int, fmt: RecordFormat):
 
 def _finish_outside_ints(cols, rows: np.ndarray, fields: np.ndarray, values: np.ndarray) -> None:
     """Keys and dense values of Criteo integers outside the tables, with the numpy path's functions."""
-    cols.keys[rows, fields] = _np_decode.hash_ints(_np_decode.criteo_buckets(values), fields)
+    cols.keys[rows, fields] = hash_ints(_np_decode.criteo_buckets(values), fields)
     dense = np.empty(len(values), np.float32)
     _np_decode._signed_log1p_into(values, dense)
     cols.dense[rows, fields] = dense

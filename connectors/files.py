@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import gzip
 import zlib
+from importlib import resources
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 
-from connectors.batch import Batch, Positions, Rejected
-from connectors.decode import decode_lines
-from connectors.formats import FORMATS, RecordFormat
+from stream_ctr.connectors.batch import Batch, Positions, Rejected
+from stream_ctr.connectors.decode import decode_lines
+from stream_ctr.connectors.formats import FORMATS, RecordFormat
 
-SAMPLE_DIR = Path(__file__).resolve().parent.parent / "stream_ctr" / "data"
+# The real samples bundled with the package (stream_ctr/data/, SOURCES.md), found the same
+# way in a checkout, an editable install and a wheel.
+SAMPLE_DIR = Path(str(resources.files("stream_ctr") / "data"))
 SAMPLE_PATHS: dict[str, Path] = {
     "criteo": SAMPLE_DIR / "criteo_kaggle_sample_14493.tsv.gz",
     "avazu": SAMPLE_DIR / "avazu_sample_9999.csv.gz",

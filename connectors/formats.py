@@ -3,7 +3,7 @@
 A `RecordFormat` names the raw fields of one text line and the columns the
 decoder produces: `key_fields` (one int64 feature sign per row each, in this
 order; a key's field id is its index in this tuple) and `n_dense` dense
-float32 features.  The decoding rules live in `connectors.decode`.
+float32 features.  The decoding rules live in `stream_ctr.connectors.decode`.
 
 CRITEO  Kaggle DAC / Criteo 1TB TSV, no header, 40 fields:
         label, I1..I13 (integer counts), C1..C26 (8-hex categorical hashes);

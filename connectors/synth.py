@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from connectors.hashing import hash_ints
+from stream_ctr.connectors.hashing import hash_ints
 
 CHUNK_ROWS = 32_768
 BASE_CTR = 0.2

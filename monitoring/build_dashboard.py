@@ -4,7 +4,7 @@
     python monitoring/build_dashboard.py --check  # exit 1 if the JSON is stale
 
 Edit the panels here, not in the JSON; a test keeps the two equal, checks that
-every metric name is one stream_ctr/metrics.py exports, and evaluates every
+every metric name is one stream_ctr/telemetry/catalogue.py exports, and evaluates every
 expression against a real Prometheus scraping a real trainer.
 
 Grafana variables used in expressions: ``$job``, ``$rank`` (multi-value, All =
@@ -186,7 +186,7 @@ def build() -> dict:
     return {
         "uid": "stream-ctr", "title": "stream_ctr trainer", "tags": ["stream_ctr"],
         "description": "Streaming CTR trainer: throughput, prequential quality, lag, embedding tiers, "
-                       "merges/checkpoints, errors. Metrics from stream_ctr/metrics.py.",
+                       "merges/checkpoints, errors. Metrics from stream_ctr/telemetry/catalogue.py.",
         "editable": True, "graphTooltip": 1, "schemaVersion": 39, "version": 1,
         "refresh": "30s", "time": {"from": "now-6h", "to": "now"}, "timezone": "",
         "templating": {"list": [

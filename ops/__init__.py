@@ -1,0 +1,9 @@
+"""Kernels (installed as `stream_ctr.ops`): each Triton kernel beside its torch reference.
+
+    dispatch          which path an op takes (Triton on CUDA, reference elsewhere)
+    cowclip_adam      fused CowClip + sparse Adam over the rows of a batch
+    embedding_gather  gather of unique rows into batch slots, and its backward
+
+Imports torch (and triton lazily, on the first Triton call); never the rest
+of stream_ctr.
+"""

@@ -21,7 +21,7 @@ Rows not in `rows` are untouched: this is the lazy variant DESIGN.md chooses.
 
 `cowclip_adam_reference` is pure torch; `cowclip_adam_triton` is one kernel,
 one program per block of rows, one pass over w, m, v and the gradient;
-`cowclip_adam_` picks one with `ops.dispatch.use_triton`.
+`cowclip_adam_` picks one with `stream_ctr.ops.dispatch.use_triton`.
 
 Importing this module does not import triton: the kernel is built on the
 first Triton call. `TRITON_INTERPRET=1` (the CPU interpreter, for tests)

@@ -12,7 +12,7 @@ deterministic segment sum (default: sort `inverse` once, one program per
 unique row sums its contiguous segment in a fixed order, so results are
 bit-reproducible run to run) or a scatter with atomic adds
 (`deterministic=False`: one pass, no sort, summation order varies on GPU).
-`gather_rows` picks one with `ops.dispatch.use_triton`.
+`gather_rows` picks one with `stream_ctr.ops.dispatch.use_triton`.
 
 Importing this module does not import triton: kernels are built on the
 first Triton call. `TRITON_INTERPRET=1` (the CPU interpreter, for tests)

@@ -1,0 +1,26 @@
+"""stream_ctr: a streaming trainer for click-through-rate models.
+
+One package, one subpackage per job; imports flow one way, top to bottom
+(tests/test_layout.py checks it from the source):
+
+    cli/          argument parsing and what each command prints
+    bench/        `stream-ctr bench ...`: measurements; nothing in the core imports them
+    distributed/  several replicas: process group, k-step merges, sharded rows, job checkpoints
+    train/        the run: batches, trainer step, streaming, checkpoints, evaluation
+    store/        where embedding rows live (one table, or device cache + RAM + LMDB)
+    telemetry/    Prometheus metrics, scrape-time collectors, time series, report, progress
+    models/       DeepFM, W&D, DCN, DCNv2 on gathered embedding rows
+    config        the typed configuration tree (every option's one home)
+    resources     files shipped in the wheel: samples, monitoring, example config
+    connectors/   sources and sinks (files, Kafka); numpy only, never the trainer
+    ops/          Triton kernels beside their torch references
+
+`connectors/` and `ops/` are top-level folders of the repository that install
+as `stream_ctr.connectors` and `stream_ctr.ops`.
+"""
+from importlib import metadata as _metadata
+
+try:
+    __version__ = _metadata.version("stream-ctr")
+except _metadata.PackageNotFoundError:      # run from a source tree that was never installed
+    __version__ = "0+unknown"

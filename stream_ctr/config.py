@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from connectors.kafka_options import KafkaOptions
+from stream_ctr.connectors.kafka.options import KafkaOptions
 
 
 class ConfigError(ValueError):
@@ -107,7 +107,7 @@ class MetricsConfig:
     # interval; 0 = off. Raise it (e.g. 60) for runs that last weeks.
     timeseries_every_s: float = 1.0
     # Past this size the file is renamed to timeseries.jsonl.<n> and a new one
-    # started (stream_ctr/timeseries.py); 0 = never rotate. At most
+    # started (stream_ctr/telemetry/timeseries.py); 0 = never rotate. At most
     # timeseries_keep_segments renamed files are kept, the oldest deleted:
     # the defaults keep three to four weeks of 1 s intervals in about 576 MiB per rank.
     timeseries_max_bytes: int = 64 << 20
@@ -119,7 +119,7 @@ class MetricsConfig:
 
 @dataclass
 class DistributedConfig:
-    # Several replicas under torchrun (stream_ctr/distributed.py, DESIGN.md step 7).
+    # Several replicas under torchrun (stream_ctr/distributed/context.py, DESIGN.md step 7).
     merge_every_k_steps: int = 8    # average the dense replicas every k steps (k-step Adam)
     merge_moments: bool = True      # ... with Adam's exp_avg / exp_avg_sq too
     hierarchical: bool = False      # all-reduce gradients inside a node every step, merge across nodes every k
@@ -136,7 +136,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    # kafka:// sources (connectors/kafka_options.py; the URL's ?group=&format= override)
+    # kafka:// sources (connectors/kafka/options.py; the URL's ?group=&format= override)
     kafka: KafkaOptions = field(default_factory=KafkaOptions)
 
     def to_dict(self) -> dict[str, Any]:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from connectors.kafka_options import KafkaOptions, parse_kafka_url
-from connectors.local_broker import LocalBroker
+from stream_ctr.connectors.kafka.options import KafkaOptions, parse_kafka_url
+from stream_ctr.connectors.kafka.local_broker import LocalBroker
 
 TEST_KAFKA = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000, "connect_timeout_s": 10.0,
               "reconnect_backoff_max_s": 1.0, "commit_timeout_s": 10.0}
@@ -58,7 +58,7 @@ class KafkaHelper:
 
     def topic(self, partitions: int = 1, prefix: str = "t") -> str:
         """A new topic with exactly `partitions` partitions (auto-creation would make 4)."""
-        from connectors.kafka_sink import create_topic
+        from stream_ctr.connectors.kafka.sink import create_topic
         name = f"{prefix}-{uuid.uuid4().hex[:10]}"
         assert create_topic(parse_kafka_url(f"kafka://{self.bootstrap}/{name}"), name, partitions)
         return name
@@ -110,7 +110,7 @@ class KafkaHelper:
         return records
 
     def dead_letters(self, topic: str) -> list[dict]:
-        from connectors.kafka_sink import topic_partitions
+        from stream_ctr.connectors.kafka.sink import topic_partitions
         n = topic_partitions(parse_kafka_url(f"kafka://{self.bootstrap}/{topic}"), topic)
         return [json.loads(r.value) for r in self.read_all(topic, n)] if n else []
 

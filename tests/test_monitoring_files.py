@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from stream_ctr.metrics import CATALOGUE, exported_names
+from stream_ctr.telemetry.catalogue import CATALOGUE, exported_names
 from tests.prometheus_server import (alert_rules, dashboard_panels, dashboard_variable_selectors,
                                      metric_names)
 
@@ -40,7 +40,7 @@ def test_dashboard_and_alerts_use_only_exported_metric_names():
     exprs = dashboard_exprs() + dashboard_variable_selectors(DASHBOARD) + [r["expr"] for r in alert_rules(ALERTS)]
     used = set().union(*(metric_names(e) for e in exprs))
     assert used, "no metric names parsed"
-    assert used <= known, f"not exported by stream_ctr/metrics.py: {sorted(used - known)}"
+    assert used <= known, f"not exported by stream_ctr/telemetry/catalogue.py: {sorted(used - known)}"
 
 
 def test_metric_name_parser():

@@ -156,7 +156,7 @@ def test_dashboard_and_alerts_against_real_prometheus_and_trainer(tmp_path, prom
 def test_dashboard_and_alerts_against_real_prometheus_and_kafka_trainer(tmp_path, prometheus_server,
                                                                         kafka):
     """The same with a Kafka source (the test broker): lag per topic partition, broker state."""
-    from connectors.replay import replay_file
+    from stream_ctr.connectors.kafka.replay import replay_file
     from tests.kafka_broker import kafka_set_args
     topic = kafka.topic(partitions=2)
     for _ in range(3):              # ~30k records: the trainer is busy while Prometheus scrapes

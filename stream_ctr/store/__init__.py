@@ -1,4 +1,5 @@
-"""Tiered embedding store: device cache, host RAM and LMDB on disk (DESIGN.md "Embedding store").
+"""Where embedding rows live: one in-memory table, or a tiered store of device cache,
+host RAM and LMDB on disk (DESIGN.md "Embedding store").
 
 Modules, one concern each:
     layout        the row bytes, the same in every tier
@@ -13,6 +14,11 @@ Modules, one concern each:
     plan          budgets -> rows per tier, refusal of impossible plans
     stats         counters for the metrics exporter
     tiered        TieredEmbeddingStore, tying them together
+    embedding     the store interface, row init, and the one-table in-memory store
+    key_index     the vectorized uint64 key -> row hash map
+
+May import config, connectors and ops (and torch, lmdb); never train,
+telemetry, models, distributed, bench or cli.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from pathlib import Path
 import torch
 
 from stream_ctr.config import Config, StoreConfig
-from stream_ctr.embedding import EmbeddingStore, InMemoryEmbeddingStore
+from stream_ctr.store.embedding import EmbeddingStore, InMemoryEmbeddingStore
 from stream_ctr.store.errors import StoreError
 from stream_ctr.store.plan import StorePlan, make_plan
 

@@ -1,7 +1,7 @@
 """The byte layout of one embedding row, the same in every tier.
 
 A row of an embedding of dimension d has `cols = d + 1` float32 columns (the
-d-dim embedding and the 1-dim linear weight, see stream_ctr/embedding.py),
+d-dim embedding and the 1-dim linear weight, see stream_ctr/store/embedding.py),
 their Adam moments, and four int64 metadata fields::
 
     offset 0            w     float32[cols]   weights

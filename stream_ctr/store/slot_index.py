@@ -1,6 +1,6 @@
 """A vectorized open-addressing map int64 key -> int64 slot, with removal.
 
-The same probing scheme as stream_ctr/key_index.py (linear probing, one
+The same probing scheme as stream_ctr/store/key_index.py (linear probing, one
 gather per probe round over all unresolved keys, no per-key Python, CPU or
 CUDA tensors alike), plus `remove`: a removed entry becomes a tombstone that
 lookups probe past and inserts never reuse, and the table is rebuilt from
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from stream_ctr.key_index import _slot_hash
+from stream_ctr.store.key_index import _slot_hash
 
 EMPTY = -1       # keys are non-negative feature signs
 TOMBSTONE = -2

@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ops.cowclip_adam import ClipStats, cowclip_adam_
+from stream_ctr.ops.cowclip_adam import ClipStats, cowclip_adam_
 from stream_ctr.config import ModelConfig, OptimConfig, StoreConfig
-from stream_ctr.embedding import EmbeddingStore, init_rows
+from stream_ctr.store.embedding import EmbeddingStore, init_rows
 from stream_ctr.store import writeback as wb
 from stream_ctr.store.device_cache import DeviceCache, Rows
 from stream_ctr.store.errors import StoreError

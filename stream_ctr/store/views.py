@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from stream_ctr.embedding import init_rows
+from stream_ctr.store.embedding import init_rows
 from stream_ctr.store.layout import WRITE_GEN, refuse_negative_keys
 
 

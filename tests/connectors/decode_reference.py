@@ -1,7 +1,7 @@
 """A plain, independent decoder the tests hold the fast one to: one line at a time.
 
 Written from the record rules (connectors/formats.py, the docstrings of
-connectors/decode.py and connectors/kafka_decode.py) and from the key spec in
+connectors/decode.py and connectors/kafka/decode.py) and from the key spec in
 connectors/hashing.py's docstring, with Python ints, `re`, `math` and
 `datetime`.  It calls no product code; it only fills the product's result
 containers (`Batch`, `Rejected`, `DecodedMessages`).  Slow on purpose.
@@ -16,9 +16,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from connectors.batch import Batch, Rejected
-from connectors.formats import RecordFormat
-from connectors.kafka_decode import DecodedMessages
+from stream_ctr.connectors.batch import Batch, Rejected
+from stream_ctr.connectors.formats import RecordFormat
+from stream_ctr.connectors.kafka.decode import DecodedMessages
 
 # --- feature signs (connectors/hashing.py's docstring) -----------------------
 U64, U63 = (1 << 64) - 1, (1 << 63) - 1
@@ -117,7 +117,7 @@ def _batch(rows: list, fmt: RecordFormat, partition: list[int], partitions: tupl
                  offset=np.array(offset, np.int64), partitions=partitions)
 
 
-# --- connectors.decode.decode_lines ----------------------------------------------
+# --- stream_ctr.connectors.decode.decode_lines ----------------------------------------------
 def decode_lines(data: bytes, fmt: RecordFormat, partition: str, first_offset: int):
     """Line i (LF-separated, the last may lack its LF, one CR before the LF
     dropped) has offset first_offset + i; it is a row or a Rejected."""
@@ -134,7 +134,7 @@ def decode_lines(data: bytes, fmt: RecordFormat, partition: str, first_offset: i
     return _batch(rows, fmt, [0] * len(rows), (partition,)), rejected
 
 
-# --- connectors.kafka_decode.decode_messages ---------------------------------------
+# --- stream_ctr.connectors.kafka.decode.decode_messages ---------------------------------------
 def json_line(value: bytes, fmt: RecordFormat) -> bytes | None:
     """A JSON object's text line (absent / null = missing, other values as str());
     None for a value that is not one JSON object or would not be one line of UTF-8."""

@@ -1,8 +1,8 @@
 """Dead-letter JSON lines: content, counts, appends, undecodable bytes."""
 import json
 
-from connectors.batch import Rejected
-from connectors.dead_letter import DeadLetterFile
+from stream_ctr.connectors.batch import Rejected
+from stream_ctr.connectors.dead_letter import DeadLetterFile
 
 
 def test_dead_letter_writes_json_lines_and_counts(tmp_path):

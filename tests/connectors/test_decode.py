@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from connectors.decode import criteo_buckets, decode_lines, parse_ints
-from connectors.files import SAMPLE_PATHS
-from connectors.formats import AVAZU, CRITEO
-from connectors.hashing import hash_ints, hash_strings, padded_buffer
+from stream_ctr.connectors.decode import criteo_buckets, decode_lines, parse_ints
+from stream_ctr.connectors.files import SAMPLE_PATHS
+from stream_ctr.connectors.formats import AVAZU, CRITEO
+from stream_ctr.connectors.hashing import hash_ints, hash_strings, padded_buffer
 
 CRITEO_BYTES = gzip.decompress(SAMPLE_PATHS["criteo"].read_bytes())
 AVAZU_FILE = gzip.decompress(SAMPLE_PATHS["avazu"].read_bytes())

@@ -1,7 +1,7 @@
 """The numba line decoder (connectors/decode_jit.py) against the numpy one, bit for bit.
 
 Every test decodes the same bytes twice, once through each path of
-`decode_buffer` (switched by `connectors.decode._JIT`), and compares every
+`decode_buffer` (switched by `stream_ctr.connectors.decode._JIT`), and compares every
 Batch column byte for byte plus the rejected lines.
 """
 import contextlib
@@ -17,13 +17,13 @@ import pytest
 
 pytest.importorskip("numba")
 
-from connectors import decode as decode_mod            # noqa: E402
-from connectors import decode_jit                      # noqa: E402
-from connectors.decode import decode_buffer, decode_lines, line_buffer   # noqa: E402
-from connectors.files import SAMPLE_PATHS              # noqa: E402
-from connectors.formats import AVAZU, CRITEO           # noqa: E402
-from connectors.hashing import hash_strings            # noqa: E402
-from connectors.kafka_decode import decode_messages    # noqa: E402
+from stream_ctr.connectors import decode as decode_mod            # noqa: E402
+from stream_ctr.connectors import decode_jit                      # noqa: E402
+from stream_ctr.connectors.decode import decode_buffer, decode_lines, line_buffer   # noqa: E402
+from stream_ctr.connectors.files import SAMPLE_PATHS              # noqa: E402
+from stream_ctr.connectors.formats import AVAZU, CRITEO           # noqa: E402
+from stream_ctr.connectors.hashing import field_salt, hash_strings  # noqa: E402
+from stream_ctr.connectors.kafka.decode import decode_messages    # noqa: E402
 
 CRITEO_BYTES = gzip.decompress(SAMPLE_PATHS["criteo"].read_bytes())
 _AVAZU_FILE = gzip.decompress(SAMPLE_PATHS["avazu"].read_bytes())
@@ -74,7 +74,7 @@ def test_hash_span_equals_numpy_hash(length):
     token = bytes(rng.randrange(256) for _ in range(length))
     buf = np.frombuffer(b"xx" + token + bytes(8), np.uint8)
     for field in (0, 13, 38):
-        salt = decode_mod.field_salt(np.array([field]))[0]
+        salt = field_salt(np.array([field]))[0]
         assert decode_jit.hash_span(buf, 2, length, salt) == hash_strings([token], field)[0]
 
 
@@ -271,7 +271,7 @@ def test_packed_messages(name):
 def test_dispatch_uses_jit_by_default_and_env_var_disables_it():
     assert decode_mod._JIT is decode_jit or os.environ.get("STREAM_CTR_NO_JIT") == "1"
     root = Path(__file__).resolve().parents[2]
-    code = "import connectors.decode as d; print(d._JIT is None)"
+    code = "import stream_ctr.connectors.decode as d; print(d._JIT is None)"
     env = dict(os.environ, STREAM_CTR_NO_JIT="1")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
                          text=True, check=True)

@@ -17,12 +17,12 @@ import json
 import numpy as np
 import pytest
 
-from connectors import decode
-from connectors.batch import Batch
-from connectors.decode import decode_lines
-from connectors.files import SAMPLE_PATHS
-from connectors.formats import AVAZU, CRITEO
-from connectors.kafka_decode import decode_messages
+from stream_ctr.connectors import decode
+from stream_ctr.connectors.batch import Batch
+from stream_ctr.connectors.decode import decode_lines
+from stream_ctr.connectors.files import SAMPLE_PATHS
+from stream_ctr.connectors.formats import AVAZU, CRITEO
+from stream_ctr.connectors.kafka.decode import decode_messages
 from tests.connectors import decode_reference as reference
 
 CRITEO_BYTES = gzip.decompress(SAMPLE_PATHS["criteo"].read_bytes())

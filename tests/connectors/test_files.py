@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from connectors.batch import Batch
-from connectors.dead_letter import DeadLetterFile
-from connectors.files import (SAMPLE_PATHS, FileSource, SourceError, _LineReader, count_records,
+from stream_ctr.connectors.batch import Batch
+from stream_ctr.connectors.dead_letter import DeadLetterFile
+from stream_ctr.connectors.files import (SAMPLE_PATHS, FileSource, SourceError, _LineReader, count_records,
                               detect_format)
-from connectors.formats import AVAZU, CRITEO, format_by_name
+from stream_ctr.connectors.formats import AVAZU, CRITEO, format_by_name
 
 
 def read_all(source: FileSource, max_records=None) -> tuple[Batch, list, list]:

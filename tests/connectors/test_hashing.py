@@ -2,7 +2,7 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from connectors.hashing import hash_ints, hash_strings, hash_tokens, padded_buffer
+from stream_ctr.connectors.hashing import hash_ints, hash_strings, hash_tokens, padded_buffer
 
 
 def _spans(tokens: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

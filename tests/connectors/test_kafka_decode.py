@@ -5,13 +5,13 @@ import json
 import numpy as np
 import pytest
 
-from connectors.batch import Batch
-from connectors.decode import decode_lines
-from connectors.files import SAMPLE_PATHS, SourceError
-from connectors.formats import AVAZU, CRITEO
-from connectors.kafka_decode import decode_messages
-from connectors.kafka_options import KafkaOptions, parse_kafka_url, start_timestamp_ms
-from connectors.kafka_positions import ROWS_DONE, PositionBook, from_positions, to_positions
+from stream_ctr.connectors.batch import Batch
+from stream_ctr.connectors.decode import decode_lines
+from stream_ctr.connectors.files import SAMPLE_PATHS, SourceError
+from stream_ctr.connectors.formats import AVAZU, CRITEO
+from stream_ctr.connectors.kafka.decode import decode_messages
+from stream_ctr.connectors.kafka.options import KafkaOptions, parse_kafka_url, start_timestamp_ms
+from stream_ctr.connectors.kafka.positions import ROWS_DONE, PositionBook, from_positions, to_positions
 
 
 def sample_lines(name: str, n: int) -> list[bytes]:
@@ -131,7 +131,7 @@ def test_urls_and_options():
 
 
 def test_security_options_pass_through_and_the_password_comes_from_the_environment(monkeypatch):
-    from connectors.kafka_options import client_config
+    from stream_ctr.connectors.kafka.options import client_config
     options = KafkaOptions(security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512",
                            sasl_username="trainer", ssl_cafile="/etc/ca.pem",
                            sasl_password_env="TEST_KAFKA_PW")
@@ -147,7 +147,7 @@ def test_security_options_pass_through_and_the_password_comes_from_the_environme
         ("SASL_SSL", "SCRAM-SHA-512", "trainer", "s3cret", "/etc/ca.pem")
     assert "s3cret" not in repr(options)          # options go into checkpoints; secrets never do
     # the same options for librdkafka (kafka.client = confluent)
-    from connectors.kafka_confluent import librdkafka_config
+    from stream_ctr.connectors.kafka.confluent import librdkafka_config
     rd = librdkafka_config(url)
     assert (rd["bootstrap.servers"], rd["security.protocol"], rd["sasl.mechanism"], rd["sasl.username"],
             rd["sasl.password"], rd["ssl.ca.location"], rd["ssl.endpoint.identification.algorithm"]) == \

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from connectors.files import SAMPLE_PATHS, SourceError
-from connectors.formats import AVAZU
-from connectors.replay import replay_file
+from stream_ctr.connectors.files import SAMPLE_PATHS, SourceError
+from stream_ctr.connectors.formats import AVAZU
+from stream_ctr.connectors.kafka.replay import replay_file
 from stream_ctr.cli import main
 
 CRITEO_LINES = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")
@@ -79,18 +79,18 @@ def in_file_order_per_partition(parts: dict[int, list[bytes]], lines: list[bytes
 
 def small_chunks(monkeypatch) -> None:
     """Chunks of ~300 lines, so a replay of a few thousand lines has several."""
-    import connectors.replay
-    monkeypatch.setattr(connectors.replay, "CHUNK_BYTES", 64 << 10)
+    import stream_ctr.connectors.kafka.replay
+    monkeypatch.setattr(stream_ctr.connectors.kafka.replay, "CHUNK_BYTES", 64 << 10)
 
 
 def test_broker_stopped_mid_replay_stops_with_next_offset_and_the_resume_loses_nothing(
         fresh_broker, monkeypatch, capsys):
-    import connectors.replay
-    from connectors.kafka_options import parse_kafka_url
-    from connectors.kafka_sink import create_topic
+    import stream_ctr.connectors.kafka.replay
+    from stream_ctr.connectors.kafka.options import parse_kafka_url
+    from stream_ctr.connectors.kafka.sink import create_topic
     from tests.kafka_broker import KafkaHelper
     small_chunks(monkeypatch)
-    monkeypatch.setattr(connectors.replay, "RETRY_S", 2.0, raising=False)
+    monkeypatch.setattr(stream_ctr.connectors.kafka.replay, "RETRY_S", 2.0, raising=False)
     kafka, topic, total = KafkaHelper(fresh_broker.bootstrap), "replay-outage", 3000
     url = kafka.url(topic)
     at_stop = {}
@@ -141,8 +141,8 @@ def test_truncated_gzip_stops_with_what_was_produced_and_next_offset(kafka, monk
 
 
 def test_a_bad_key_creates_no_topic(kafka, capsys):
-    from connectors.kafka_options import parse_kafka_url
-    from connectors.kafka_sink import topic_partitions
+    from stream_ctr.connectors.kafka.options import parse_kafka_url
+    from stream_ctr.connectors.kafka.sink import topic_partitions
     url = kafka.url("replay-bad-key")
     assert main(["replay", "criteo:sample", "--to", url, "--partitions", "5", "--key", "field:nope"]) == 2
     assert "--key" in capsys.readouterr().err
@@ -150,7 +150,7 @@ def test_a_bad_key_creates_no_topic(kafka, capsys):
 
 
 def test_interrupted_keyed_replay_reports_the_first_unacknowledged_line(kafka, monkeypatch):
-    import connectors.replay
+    import stream_ctr.connectors.kafka.replay
     topic = kafka.topic(partitions=3)
     sends = [0]
 
@@ -160,7 +160,7 @@ def test_interrupted_keyed_replay_reports_the_first_unacknowledged_line(kafka, m
             raise KeyboardInterrupt
 
     # One chunk, sent partition by partition: the last partition's last 10 lines are not sent.
-    monkeypatch.setattr(connectors.replay, "_throttle", ctrl_c_after_the_1990th_send)
+    monkeypatch.setattr(stream_ctr.connectors.kafka.replay, "_throttle", ctrl_c_after_the_1990th_send)
     s = replay_file("criteo:sample", kafka.url(topic), key="line", rate=1e9, limit=2000)
     assert s.interrupted and s.records == 1990
     on_broker = {int(r.key) for r in kafka.read_all(topic, 3, idle_ms=1000)}

@@ -6,12 +6,12 @@ import time
 import numpy as np
 import pytest
 
-from connectors.batch import Batch, Rejected
-from connectors.files import SAMPLE_PATHS, SourceError
-from connectors.kafka import KafkaSource
-from connectors.kafka_options import parse_kafka_url
-from connectors.kafka_positions import GIVEN_UP, ROWS_DONE
-from connectors.kafka_sink import KafkaDeadLetter
+from stream_ctr.connectors.batch import Batch, Rejected
+from stream_ctr.connectors.files import SAMPLE_PATHS, SourceError
+from stream_ctr.connectors.kafka.source import KafkaSource
+from stream_ctr.connectors.kafka.options import parse_kafka_url
+from stream_ctr.connectors.kafka.positions import GIVEN_UP, ROWS_DONE
+from stream_ctr.connectors.kafka.sink import KafkaDeadLetter
 from tests.kafka_broker import kafka_test_options
 
 LINES = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:3000]
@@ -149,7 +149,7 @@ def test_an_oversized_bad_record_is_dead_lettered_in_part_and_a_refusal_is_one_c
     """A 3 MB bad line of control bytes is ~18 MB of JSON: more than a producer request
     may carry, so without the cap every restart would stop at it."""
     import hashlib
-    from connectors import kafka_sink
+    from stream_ctr.connectors.kafka import sink as kafka_sink
     topic = kafka.topic(prefix="dlq-big")
     raw = b"\x01" * 3_000_000
     url = parse_kafka_url(kafka.url(topic), kafka_test_options())

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from connectors.files import FileSource, count_records
-from connectors.formats import CRITEO
-from connectors.synth import write_synthetic_criteo, zipf_ranks
+from stream_ctr.connectors.files import FileSource, count_records
+from stream_ctr.connectors.formats import CRITEO
+from stream_ctr.connectors.synth import write_synthetic_criteo, zipf_ranks
 
 N = 40_000
 

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from ops.dispatch import FORCE_TRITON_ENV, INTERPRET_ENV
+from stream_ctr.ops.dispatch import FORCE_TRITON_ENV, INTERPRET_ENV
 
 if not torch.cuda.is_available():
     os.environ.setdefault(INTERPRET_ENV, "1")

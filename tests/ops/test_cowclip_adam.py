@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ops.cowclip_adam import clip_rows_reference, cowclip_adam_reference, cowclip_adam_triton
+from stream_ctr.ops.cowclip_adam import clip_rows_reference, cowclip_adam_reference, cowclip_adam_triton
 from tests.ops.conftest import needs_cuda, needs_interpreter
 
 B1, B2 = 0.9, 0.999

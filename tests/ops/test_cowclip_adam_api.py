@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ops.cowclip_adam import (
+from stream_ctr.ops.cowclip_adam import (
     ClipStats, clip_rows_reference, cowclip_adam_, cowclip_adam_reference, cowclip_adam_triton)
-from ops.dispatch import FORCE_TRITON_ENV
+from stream_ctr.ops.dispatch import FORCE_TRITON_ENV
 from tests.ops.conftest import needs_cuda, needs_interpreter
 from tests.ops.test_cowclip_adam import HPARAMS, make_batch, make_table, run
 
@@ -47,7 +47,7 @@ def test_dispatcher_uses_reference_on_cpu(monkeypatch):
     table = make_table(30, 10, seed=1)
     batch = make_batch(30, 12, 10, seed=1)
     calls = []
-    monkeypatch.setattr("ops.cowclip_adam.cowclip_adam_triton",
+    monkeypatch.setattr("stream_ctr.ops.cowclip_adam.cowclip_adam_triton",
                         lambda *a, **k: calls.append("triton"))
     *out, _ = run(cowclip_adam_, table, batch, clip_dims=10)
     *ref, _ = run(cowclip_adam_reference, table, batch, clip_dims=10)
@@ -67,7 +67,7 @@ def test_dispatcher_forced_triton_on_cpu(monkeypatch):
 @needs_cuda
 def test_dispatcher_uses_triton_on_cuda(monkeypatch):
     calls = []
-    monkeypatch.setattr("ops.cowclip_adam.cowclip_adam_triton",
+    monkeypatch.setattr("stream_ctr.ops.cowclip_adam.cowclip_adam_triton",
                         lambda *a, **k: calls.append("triton"))
     table = make_table(30, 10, seed=1, device="cuda")
     run(cowclip_adam_, table, make_batch(30, 12, 10, seed=1, device="cuda"), clip_dims=10)

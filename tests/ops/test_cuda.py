@@ -8,9 +8,9 @@ offsets and hot rows matter. Skipped without a CUDA device.
 import pytest
 import torch
 
-from ops.cowclip_adam import cowclip_adam_, cowclip_adam_reference, cowclip_adam_triton
-from ops.dispatch import PATH_TRITON, kernel_path
-from ops.embedding_gather import gather_rows_reference, gather_rows_triton
+from stream_ctr.ops.cowclip_adam import cowclip_adam_, cowclip_adam_reference, cowclip_adam_triton
+from stream_ctr.ops.dispatch import PATH_TRITON, kernel_path
+from stream_ctr.ops.embedding_gather import gather_rows_reference, gather_rows_triton
 from tests.ops.conftest import needs_cuda
 from tests.ops.test_cowclip_adam import make_batch, make_table, run
 

@@ -1,4 +1,4 @@
-"""ops.dispatch: which path an op takes, and lazy kernel building."""
+"""stream_ctr.ops.dispatch: which path an op takes, and lazy kernel building."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ops.dispatch import (
+from stream_ctr.ops.dispatch import (
     FORCE_TRITON_ENV, INTERPRET_ENV, PATH_REFERENCE, PATH_TRITON, PATH_TRITON_INTERPRETER,
     kernel_path, use_triton)
 from tests.ops.conftest import needs_cuda, needs_interpreter
@@ -48,7 +48,7 @@ def test_interpreter_can_be_switched_on_after_import():
     """Importing ops does not import triton: TRITON_INTERPRET set later still takes effect."""
     script = f"""
 import os, sys, torch
-import ops.cowclip_adam as ca, ops.embedding_gather as eg
+import stream_ctr.ops.cowclip_adam as ca, stream_ctr.ops.embedding_gather as eg
 assert "triton" not in sys.modules
 os.environ["{INTERPRET_ENV}"] = "1"
 os.environ["{FORCE_TRITON_ENV}"] = "1"

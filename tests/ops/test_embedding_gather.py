@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ops.dispatch import FORCE_TRITON_ENV
-from ops.embedding_gather import gather_rows, gather_rows_reference, gather_rows_triton
+from stream_ctr.ops.dispatch import FORCE_TRITON_ENV
+from stream_ctr.ops.embedding_gather import gather_rows, gather_rows_reference, gather_rows_triton
 from tests.ops.conftest import needs_interpreter
 
 # (U, M, D): tiny, duplicated slots, unused unique rows, padded widths.
@@ -99,7 +99,7 @@ def test_dispatcher(monkeypatch, force):
         monkeypatch.setenv(FORCE_TRITON_ENV, "1")
     calls = []
     real = gather_rows_triton
-    monkeypatch.setattr("ops.embedding_gather.gather_rows_triton",
+    monkeypatch.setattr("stream_ctr.ops.embedding_gather.gather_rows_triton",
                         lambda *a, **k: calls.append(k) or real(*a, **k))
     src, inverse, grad_out = make_case(7, 50, 11, seed=4)
     out, grad = forward_backward(

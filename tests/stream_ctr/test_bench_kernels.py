@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from ops import dispatch
+from stream_ctr.ops import dispatch
 from stream_ctr.cli import main
 
 ON_CUDA = torch.cuda.is_available()

@@ -1,6 +1,5 @@
 """The CLI as a user runs it: real subprocesses, real files."""
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -96,3 +95,39 @@ def test_synth_writes_decodable_file(tmp_path):
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1])["records"] == 5000
     assert sum(1 for _ in open(path)) == 5000
+
+
+def test_version_is_the_installed_distributions():
+    from importlib import metadata
+    out = run("--version")
+    assert out.returncode == 0
+    assert out.stdout.strip() == f"stream-ctr {metadata.version('stream-ctr')}"
+
+
+def test_monitoring_export_writes_every_shipped_file_and_keeps_edited_ones(tmp_path):
+    import yaml
+    out = run("monitoring", "export", str(tmp_path / "mon"), "--json")
+    assert out.returncode == 0, out.stderr
+    files = {str(p.relative_to(tmp_path / "mon")) for p in (tmp_path / "mon").rglob("*") if p.is_file()}
+    assert {"prometheus.yml", "prometheus-ranks.yml", "alerts.yml", "alerts_test.yml",
+            "grafana/dashboards/stream_ctr.json", "grafana/provisioning/datasources/stream_ctr.yml",
+            "grafana/provisioning/dashboards/stream_ctr.yml"} == files
+    assert json.loads(out.stdout)["files"]
+    dashboard = json.loads((tmp_path / "mon/grafana/dashboards/stream_ctr.json").read_text())
+    assert dashboard["panels"]
+    assert "rule_files" in yaml.safe_load((tmp_path / "mon/prometheus.yml").read_text())
+    (tmp_path / "mon/alerts.yml").write_text("# edited by the user\n")
+    again = run("monitoring", "export", str(tmp_path / "mon"))
+    assert again.returncode == 2 and "--force" in again.stderr
+    assert (tmp_path / "mon/alerts.yml").read_text() == "# edited by the user\n"
+    assert run("monitoring", "export", str(tmp_path / "mon"), "--force").returncode == 0
+    assert "edited" not in (tmp_path / "mon/alerts.yml").read_text()
+
+
+def test_config_example_loads_and_trains_as_printed(tmp_path):
+    from stream_ctr.config import load_config, validate
+    out = run("config", "example", "-o", str(tmp_path / "c.toml"))
+    assert out.returncode == 0, out.stderr
+    cfg = validate(load_config(tmp_path / "c.toml"))
+    assert cfg.data.source == "criteo:sample" and cfg.store.cache_bytes == 256 << 20
+    assert run("config", "example").stdout == (tmp_path / "c.toml").read_text()

@@ -1,6 +1,6 @@
 import numpy as np
 
-from stream_ctr.evaluation import PrequentialWindow, accuracy, log_loss, roc_auc
+from stream_ctr.train.evaluation import PrequentialWindow, accuracy, log_loss, roc_auc
 
 
 def naive_auc(s, y):

@@ -6,7 +6,6 @@ n-th step, inside the n-th checkpoint write, before the n-th group commit),
 (b) slow its steps down, and (c) log every trained (partition, offset).
 """
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from connectors.kafka_options import parse_kafka_url
-from connectors.kafka_sink import create_topic
-from connectors.replay import replay_file
-from stream_ctr.checkpoint import load_checkpoint
-from stream_ctr.train_loop import train
+from stream_ctr.connectors.kafka.options import parse_kafka_url
+from stream_ctr.connectors.kafka.sink import create_topic
+from stream_ctr.connectors.kafka.replay import replay_file
+from stream_ctr.train.checkpoint import load_checkpoint
+from stream_ctr.train.loop import train
 from tests.kafka_broker import KafkaHelper, kafka_set_args
 from tests.stream_ctr.test_kafka_train import kafka_config
 from tests.stream_ctr.test_train_loop import tensors_equal
@@ -30,13 +29,13 @@ DRIVER = r"""
 import os, signal, sys, time
 mode, n, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 import numpy as np
-import connectors.kafka, stream_ctr.trainer
+import stream_ctr.connectors.kafka.source, stream_ctr.train.trainer
 calls = [0]
 def maybe_die():
     calls[0] += 1
     if calls[0] == n:
         os.kill(os.getpid(), signal.SIGKILL)
-step = stream_ctr.trainer.Trainer.train_step
+step = stream_ctr.train.trainer.Trainer.train_step
 def train_step(self, batch, *args, **kwargs):
     result = step(self, batch, *args, **kwargs)
     if log != "-":
@@ -48,7 +47,7 @@ def train_step(self, batch, *args, **kwargs):
     if mode == "slow":
         time.sleep(n / 1000)
     return result
-stream_ctr.trainer.Trainer.train_step = train_step
+stream_ctr.train.trainer.Trainer.train_step = train_step
 if mode == "checkpoint":                 # inside the write: the new directory is not renamed yet
     rename = os.rename
     def dying_rename(src, dst, *a, **k):
@@ -57,11 +56,11 @@ if mode == "checkpoint":                 # inside the write: the new directory i
         return rename(src, dst, *a, **k)
     os.rename = dying_rename
 if mode == "commit":                     # the checkpoint is durable, the group commit not done
-    commit = connectors.kafka.KafkaSource.commit
+    commit = stream_ctr.connectors.kafka.source.KafkaSource.commit
     def dying_commit(self, positions):
         maybe_die()
         return commit(self, positions)
-    connectors.kafka.KafkaSource.commit = dying_commit
+    stream_ctr.connectors.kafka.source.KafkaSource.commit = dying_commit
 from stream_ctr.cli import main
 sys.exit(main(sys.argv[4:]))
 """

@@ -4,14 +4,15 @@ import json
 
 import pytest
 
-from connectors.files import SAMPLE_PATHS
-from connectors.kafka_options import parse_kafka_url
-from connectors.kafka_sink import topic_partitions
-from connectors.replay import replay_file
-from stream_ctr.checkpoint import load_checkpoint
+from stream_ctr.connectors.files import SAMPLE_PATHS
+from stream_ctr.connectors.kafka.options import parse_kafka_url
+from stream_ctr.connectors.kafka.sink import topic_partitions
+from stream_ctr.connectors.kafka.replay import replay_file
+from stream_ctr.train.checkpoint import load_checkpoint
 from stream_ctr.cli import main
 from stream_ctr.config import Config, ConfigError, validate
-from stream_ctr.train_loop import evaluate_checkpoint, train
+from stream_ctr.distributed.job_checkpoint import load_any
+from stream_ctr.train.loop import evaluate_checkpoint, train
 from tests.kafka_broker import TEST_KAFKA
 from tests.stream_ctr.test_train_loop import tensors_equal
 
@@ -43,7 +44,7 @@ def test_kafka_training_matches_the_file_source_and_commits_the_checkpoint_offse
     ckpt = load_checkpoint(cfg.train.run_dir)
     assert ckpt.positions == {f"{topic}/{p}": 4348 for p in range(3)}
     assert kafka.committed("auc", topic, 3) == ckpt.positions          # external lag tools agree
-    kafka_auc = evaluate_checkpoint(cfg.train.run_dir, "criteo:sample", start=TRAIN_RECORDS)["auc"]
+    kafka_auc = evaluate_checkpoint(load_any(cfg.train.run_dir), cfg.train.run_dir, "criteo:sample", start=TRAIN_RECORDS)["auc"]
 
     file_cfg = kafka_config(tmp_path / "file", "criteo:sample", holdout_fraction=0.1)
     file_auc = train(file_cfg, show_progress=False).test["auc"]

@@ -1,6 +1,6 @@
 import torch
 
-from stream_ctr.key_index import KeyIndex
+from stream_ctr.store.key_index import KeyIndex
 
 
 def test_insert_lookup_grow_roundtrip():

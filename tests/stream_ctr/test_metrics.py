@@ -1,4 +1,4 @@
-"""stream_ctr.metrics: values after known sequences of events, on a fresh registry each."""
+"""stream_ctr.telemetry.metrics: values after known sequences of events, on a fresh registry each."""
 from __future__ import annotations
 
 import urllib.request
@@ -8,11 +8,12 @@ import pytest
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from connectors.batch import Rejected
+from stream_ctr.connectors.batch import Rejected
 from stream_ctr.config import ConfigError, ModelConfig
-from stream_ctr.embedding import InMemoryEmbeddingStore
-from stream_ctr.evaluation import PrequentialWindow
-from stream_ctr.metrics import CATALOGUE, NAMESPACE, MetricsServer, TrainerMetrics, exported_names
+from stream_ctr.store.embedding import InMemoryEmbeddingStore
+from stream_ctr.train.evaluation import PrequentialWindow
+from stream_ctr.telemetry.catalogue import CATALOGUE, NAMESPACE, exported_names
+from stream_ctr.telemetry.metrics import MetricsServer, TrainerMetrics
 from tests.prometheus_server import free_port
 
 FIXED_LABELS = {"rank", "partition", "tier", "reason", "phase"}
@@ -230,7 +231,7 @@ def test_source_lag_and_errors(reg):
 
 
 def test_kafka_source_stats_are_read_through_a_getter(reg):
-    from connectors.kafka import KafkaStats
+    from stream_ctr.connectors.kafka.source import KafkaStats
 
     class Run:                      # the train loop passes `lambda: run.source`
         source = None

@@ -8,13 +8,14 @@ import socket
 import pytest
 from prometheus_client import CollectorRegistry
 
-from connectors.dead_letter import DeadLetterFile
-from connectors.files import SAMPLE_PATHS, FileSource, detect_format
+from stream_ctr.connectors.dead_letter import DeadLetterFile
+from stream_ctr.connectors.files import SAMPLE_PATHS, FileSource, detect_format
 from stream_ctr.cli import main
 from stream_ctr.config import Config, ConfigError, load_config, validate
-from stream_ctr.monitor import RunMonitor
-from stream_ctr.timeseries import read_timeseries
-from stream_ctr.train_loop import micro_batches, train
+from stream_ctr.telemetry.monitor import RunMonitor
+from stream_ctr.telemetry.timeseries import read_timeseries
+from stream_ctr.train.batches import micro_batches
+from stream_ctr.train.loop import train
 from tests.prometheus_server import free_port
 
 

@@ -1,4 +1,4 @@
-"""Tests for stream_ctr.models: shapes, gradients, FM / cross formulas, sizes, L2 groups."""
+"""Tests for stream_ctr.models.networks: shapes, gradients, FM / cross formulas, sizes, L2 groups."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stream_ctr.config import MODELS, ModelConfig
-from stream_ctr.models import (DCN, CrossNet, CrossNetMix, CTRModel, DCNv2, DeepFM, WideDeep,
+from stream_ctr.models.networks import (DCN, CrossNet, CrossNetMix, CTRModel, DCNv2, DeepFM, WideDeep,
                                build_model, fm_term)
 
 F, D, N_DENSE = 39, 10, 13  # Criteo

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from connectors.batch import Batch
-from connectors.kafka_positions import GIVEN_UP, ROWS_DONE, PositionBook, given_up_positions
-from stream_ctr.dist_train import DistributedRun
-from stream_ctr.streaming import StreamBatcher
-from stream_ctr.train_loop import LookAhead
+from stream_ctr.connectors.batch import Batch
+from stream_ctr.connectors.kafka.positions import GIVEN_UP, ROWS_DONE, PositionBook, given_up_positions
+from stream_ctr.distributed.run import DistributedRun
+from stream_ctr.train.streaming import StreamBatcher
+from stream_ctr.train.batches import LookAhead
 
 
 def rows(partition_offsets: list[tuple[int, int]], names=("t/0", "t/1")) -> Batch:

@@ -7,8 +7,8 @@ import pytest
 
 from stream_ctr.cli import main
 from stream_ctr.config import Config, ConfigError
-from stream_ctr.report import find_run_dir, load_series, write_report
-from stream_ctr.train_loop import train
+from stream_ctr.telemetry.report import find_run_dir, load_series, write_report
+from stream_ctr.train.loop import train
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLOTS = {"auc_logloss.png", "throughput.png", "lag.png", "tier_hit_ratio.png"}

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from stream_ctr.config import ConfigError, load_config, validate
-from stream_ctr.report import MAX_POINTS, find_run_dir, load_series, write_report
-from stream_ctr.timeseries import (TimeSeriesLog, read_timeseries, segment_paths, timeseries_files,
+from stream_ctr.telemetry.report import MAX_POINTS, find_run_dir, load_series, write_report
+from stream_ctr.telemetry.timeseries import (TimeSeriesLog, read_timeseries, segment_paths, timeseries_files,
                                    timeseries_path)
 
 
@@ -278,7 +278,7 @@ def test_rotation_options_parse_byte_sizes():
 def test_the_run_monitor_rotates_with_the_configured_knobs(tmp_path):
     """The trainer's writer (RunMonitor) uses metrics.timeseries_max_bytes / _keep_segments."""
     from prometheus_client import CollectorRegistry
-    from stream_ctr.monitor import RunMonitor
+    from stream_ctr.telemetry.monitor import RunMonitor
     cfg = validate(load_config(None, ["metrics.port=0", "metrics.timeseries_every_s=1",
                                       "metrics.timeseries_max_bytes=64KiB",
                                       "metrics.timeseries_keep_segments=2"]))

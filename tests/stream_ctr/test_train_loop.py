@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from connectors.files import SAMPLE_PATHS
-from stream_ctr.checkpoint import CheckpointError, load_checkpoint
+from stream_ctr.connectors.files import SAMPLE_PATHS
+from stream_ctr.train.checkpoint import CheckpointError, load_checkpoint
 from stream_ctr.config import Config, ConfigError
-from stream_ctr.train_loop import train
+from stream_ctr.train.loop import train
 
 
 def small_config(tmp_path, **data) -> Config:
@@ -118,7 +118,7 @@ def test_bad_config_value_is_named(tmp_path):
 
 
 def _ckpt(step: int, records: int):
-    from stream_ctr.checkpoint import CheckpointState
+    from stream_ctr.train.checkpoint import CheckpointState
     return CheckpointState(step=step, records_trained=records, positions={}, config={},
                            tensors={"x": torch.full((2,), float(records))})
 
@@ -133,7 +133,7 @@ def test_crash_while_resaving_a_step_leaves_latest_loadable(tmp_path, monkeypatc
     import os
     import shutil
 
-    from stream_ctr.checkpoint import save_checkpoint
+    from stream_ctr.train.checkpoint import save_checkpoint
     root = tmp_path / "ckpts"
     save_checkpoint(root, _ckpt(7, 10))
 
@@ -156,7 +156,7 @@ def test_crash_while_resaving_a_step_leaves_latest_loadable(tmp_path, monkeypatc
 
 
 def test_resaving_a_step_replaces_it_and_keep_counts_saves_in_order(tmp_path):
-    from stream_ctr.checkpoint import save_checkpoint
+    from stream_ctr.train.checkpoint import save_checkpoint
     root = tmp_path / "ckpts"
     for step in (10, 20):
         save_checkpoint(root, _ckpt(step, step), keep=2)
@@ -194,7 +194,7 @@ def test_resume_past_a_larger_holdout_or_with_another_format_is_one_clear_error(
 
 def test_a_full_disk_while_checkpointing_is_one_clear_error(tmp_path, monkeypatch):
     """torch.save reports a failed write as a RuntimeError, not an OSError."""
-    from stream_ctr.checkpoint import save_checkpoint
+    from stream_ctr.train.checkpoint import save_checkpoint
     root = tmp_path / "ckpts"
     save_checkpoint(root, _ckpt(1, 10))
 

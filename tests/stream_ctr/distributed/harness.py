@@ -51,7 +51,7 @@ def _context():
     # fork of it (no thread pool has started there), instead of a fresh
     # interpreter importing torch (seconds per rank on a 2-core machine).
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "stream_ctr.dist_train",
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "stream_ctr.distributed.run",
                                 "tests.stream_ctr.distributed.harness", "pytest"])
     return ctx
 

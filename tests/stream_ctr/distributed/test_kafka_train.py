@@ -4,9 +4,8 @@ import json
 import os
 
 import numpy as np
-import pytest
 
-from connectors.replay import replay_file
+from stream_ctr.connectors.kafka.replay import replay_file
 from stream_ctr.config import Config
 from tests.kafka_broker import TEST_KAFKA
 from tests.stream_ctr.distributed.harness import run_ranks, values
@@ -39,8 +38,8 @@ def kafka_rank(rank: int, world: int, cfg: dict, resume: str | None = None,
     the consumer group only after rank 0 trained 4 batches (then writes that file),
     so rank 0 first trains every partition and then hands some over."""
     from pathlib import Path
-    from stream_ctr.dist_train import DistributedRun, train_distributed
-    from stream_ctr.distributed import DistributedError
+    from stream_ctr.distributed.run import DistributedRun, train_distributed
+    from stream_ctr.distributed.context import DistributedError
     trained: list[str] = []
     record, step, next_batch = DistributedRun.record, DistributedRun.step, DistributedRun._next_stream_batch
 
@@ -71,7 +70,7 @@ def kafka_rank(rank: int, world: int, cfg: dict, resume: str | None = None,
 
 
 def file_replica(rank: int, world: int, cfg: dict) -> float:
-    from stream_ctr.train_loop import train
+    from stream_ctr.train.loop import train
     return train(Config.from_dict(cfg), show_progress=False).test["auc"]
 
 
@@ -96,7 +95,8 @@ def assert_exactly_once(trained: list[str], expected: list[str]) -> None:
 
 
 def test_two_ranks_train_a_topic_exactly_once_with_the_accuracy_of_one_replica(kafka, tmp_path):
-    from stream_ctr.train_loop import evaluate_checkpoint
+    from stream_ctr.distributed.job_checkpoint import load_any
+    from stream_ctr.train.loop import evaluate_checkpoint
     topic = kafka.topic(partitions=PARTITIONS)
     replay_file("criteo:sample", kafka.url(topic), limit=TRAIN_RECORDS)
     cfg = kafka_job_config(tmp_path / "job", kafka.url(topic, "dist"))
@@ -109,7 +109,7 @@ def test_two_ranks_train_a_topic_exactly_once_with_the_accuracy_of_one_replica(k
     # the group's committed offsets are those of the last job checkpoint
     assert kafka.committed("dist", topic, PARTITIONS) == {f"{topic}/{p}": len(range(p, TRAIN_RECORDS, PARTITIONS))
                                                           for p in range(PARTITIONS)}
-    job_auc = evaluate_checkpoint(str(tmp_path / "job"), "criteo:sample", start=TRAIN_RECORDS)["auc"]
+    job_auc = evaluate_checkpoint(load_any(str(tmp_path / "job")), str(tmp_path / "job"), "criteo:sample", start=TRAIN_RECORDS)["auc"]
 
     one = Config.from_dict(kafka_job_config(tmp_path / "one", "criteo:sample", batch_size=128))
     one.data.holdout_fraction = 0.1
@@ -134,7 +134,7 @@ def test_kafka_job_resumes_after_a_rank_dies_with_nothing_lost_or_repeated(kafka
     resumed = values(run_ranks(kafka_rank, 2, cfg, str(tmp_path), None, str(tmp_path / "joined"),
                                timeout_s=240))
     # In the model: what the manifest's positions cover, plus what the resumed job trained.
-    from stream_ctr.job_checkpoint import Job, merged_stream_positions
+    from stream_ctr.distributed.job_checkpoint import Job, merged_stream_positions
     done = merged_stream_positions(Job(root, manifest))
     before = [f"{topic}/{p}@{o}" for p in range(PARTITIONS) for o in range(done.get(f"{topic}/{p}", 0))]
     after = resumed[0]["trained"] + resumed[1]["trained"]

@@ -41,7 +41,8 @@ def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 
 def merge_checks(rank: int, world: int) -> dict:
-    from stream_ctr.distributed import DenseMerger, init_distributed
+    from stream_ctr.distributed.context import init_distributed
+    from stream_ctr.distributed.merge import DenseMerger
     init_distributed(torch.device("cpu"), timeout_s=60)
     out: dict = {}
 
@@ -120,7 +121,8 @@ def merge_checks(rank: int, world: int) -> dict:
 def hierarchical_checks(rank: int, world: int) -> dict:
     """4 ranks as 2 nodes x 2: every step the node's replicas agree, every k=2 all agree.
     Inside a node that is synchronous Adam: one Adam on the node's mean gradient."""
-    from stream_ctr.distributed import DenseMerger, init_distributed
+    from stream_ctr.distributed.context import init_distributed
+    from stream_ctr.distributed.merge import DenseMerger
     init_distributed(torch.device("cpu"), timeout_s=60)
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=LR)
@@ -210,7 +212,8 @@ def test_hierarchical_is_synchronous_inside_a_node_and_merges_across_nodes_every
 def stalled_node_merge(rank: int, world: int) -> str:
     """Rank 1 hangs (alive) past the job's timeout while rank 0 reduces the node's gradients."""
     import time
-    from stream_ctr.distributed import DenseMerger, DistributedError, agree, init_distributed
+    from stream_ctr.distributed.context import DistributedError, agree, init_distributed
+    from stream_ctr.distributed.merge import DenseMerger
     ctx = init_distributed(torch.device("cpu"), timeout_s=3)
     model = _model()
     merger = DenseMerger(model, torch.optim.Adam(model.parameters()), k=4, merge_moments=False,

@@ -3,12 +3,12 @@ import numpy as np
 import pytest
 import torch
 
-from connectors.files import FileSource, detect_format
+from stream_ctr.connectors.files import FileSource, detect_format
 from stream_ctr.config import Config, ConfigError, load_config, validate
-from stream_ctr.dist_train import StripedSource
-from stream_ctr.job_checkpoint import find_job
-from stream_ctr.key_index import _slot_hash
-from stream_ctr.sharded_store import owner_of
+from stream_ctr.distributed.run import StripedSource
+from stream_ctr.distributed.job_checkpoint import find_job
+from stream_ctr.store.key_index import _slot_hash
+from stream_ctr.distributed.sharded_store import owner_of
 
 
 @pytest.mark.parametrize("option, value, message", [

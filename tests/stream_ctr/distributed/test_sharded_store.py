@@ -64,9 +64,9 @@ def _sync_update(ref, ranks: list[int], step: int, optim) -> None:
 
 
 def store_checks(rank: int, world: int) -> dict:
-    from stream_ctr.distributed import init_distributed
-    from stream_ctr.embedding import InMemoryEmbeddingStore, init_rows
-    from stream_ctr.sharded_store import ShardedEmbeddingStore, owner_of
+    from stream_ctr.distributed.context import init_distributed
+    from stream_ctr.store.embedding import InMemoryEmbeddingStore, init_rows
+    from stream_ctr.distributed.sharded_store import ShardedEmbeddingStore, owner_of
 
     class Recording(InMemoryEmbeddingStore):
         def update(self, slots, grad, counts, step, optim):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from stream_ctr.checkpoint import CheckpointError, load_checkpoint
+from stream_ctr.train.checkpoint import CheckpointError, load_checkpoint
 from stream_ctr.config import Config, ConfigError
 from tests.stream_ctr.distributed.harness import run_ranks, values
 
@@ -40,8 +40,8 @@ def job_config(run_dir, batch_size: int = 128, **data) -> dict:
 def train_rank(rank: int, world: int, cfg: dict, resume: str | None = None,
                crash: tuple[int, int] | None = None) -> dict:
     """One rank of a job; records the offsets it trained. `crash` = (rank, step) exits hard."""
-    from stream_ctr.dist_train import DistributedRun, train_distributed
-    from stream_ctr.distributed import DistributedError
+    from stream_ctr.distributed.run import DistributedRun, train_distributed
+    from stream_ctr.distributed.context import DistributedError
     trained: list[np.ndarray] = []
     record, step = DistributedRun.record, DistributedRun.step
 
@@ -65,15 +65,15 @@ def train_rank(rank: int, world: int, cfg: dict, resume: str | None = None,
 
 def plain_and_one_rank(rank: int, world: int, cfg_plain: dict, cfg_job: dict) -> tuple[str, str]:
     """The same records trained without torch.distributed and as a 1-rank job."""
-    from stream_ctr.dist_train import train_distributed
-    from stream_ctr.train_loop import train
+    from stream_ctr.distributed.run import train_distributed
+    from stream_ctr.train.loop import train
     a = train(Config.from_dict(cfg_plain), show_progress=False)
     b = train_distributed(Config.from_dict(cfg_job), show_progress=False)
     return a.checkpoint, b.checkpoint
 
 
 def one_replica(rank: int, world: int, cfg: dict) -> dict:
-    from stream_ctr.train_loop import train
+    from stream_ctr.train.loop import train
     return train(Config.from_dict(cfg), show_progress=False).as_dict()
 
 
@@ -190,7 +190,7 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
 
 
 def test_resume_with_another_world_size_is_refused_clearly(reference_job):
-    from stream_ctr.job_checkpoint import open_job
+    from stream_ctr.distributed.job_checkpoint import open_job
     run_dir, _ = reference_job
     assert open_job(run_dir, 2).manifest["world_size"] == 2
     with pytest.raises(ConfigError, match="written by 2 ranks but this job has 3.*resume with exactly 2"):

@@ -6,14 +6,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from connectors.dead_letter import DeadLetterFile
-from connectors.files import FileSource, detect_format
+from stream_ctr.connectors.dead_letter import DeadLetterFile
+from stream_ctr.connectors.files import FileSource, detect_format
 from stream_ctr.config import Config, OptimConfig
 from stream_ctr.store.device_cache import DeviceCache
 from stream_ctr.store.host_tier import HostTier
 from stream_ctr.store.layout import RowLayout
 from stream_ctr.store.lmdb_tier import LmdbTier
-from stream_ctr.train_loop import micro_batches
+from stream_ctr.train.batches import micro_batches
 
 BATCH = 128
 CRITEO_FIELDS = 39

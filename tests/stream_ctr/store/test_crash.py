@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from stream_ctr.checkpoint import load_checkpoint
+from stream_ctr.train.checkpoint import load_checkpoint
 from stream_ctr.cli import main
 from stream_ctr.store.errors import StoreError
-from stream_ctr.train_loop import train
+from stream_ctr.train.loop import train
 from tests.stream_ctr.store.helpers import assert_same_rows, lmdb_rows, small_config, sorted_memory_rows
 
 REPO = Path(__file__).resolve().parents[3]
@@ -18,9 +18,9 @@ REPO = Path(__file__).resolve().parents[3]
 CHILD = """
 import os, signal, sys
 import stream_ctr.store.tiered as tiered
-import stream_ctr.train_loop as loop
+import stream_ctr.train.loop as loop
 from tests.stream_ctr.store.helpers import small_config
-from stream_ctr.train_loop import train
+from stream_ctr.train.loop import train
 
 mode, run_dir = sys.argv[1], sys.argv[2]
 calls = [0]

@@ -1,9 +1,10 @@
 """Model quality does not depend on where a row lives: tiny tiers == one big table, bit for bit."""
 import torch
 
-from stream_ctr.checkpoint import load_checkpoint
-from stream_ctr.train_loop import LookAhead, configure_torch, train
-from stream_ctr.trainer import Trainer
+from stream_ctr.train.checkpoint import load_checkpoint
+from stream_ctr.train.batches import LookAhead
+from stream_ctr.train.loop import configure_torch, train
+from stream_ctr.train.trainer import Trainer
 from tests.stream_ctr.store.helpers import (assert_same_rows, criteo_batches, lmdb_rows,
                                             small_config, sorted_memory_rows)
 
@@ -64,7 +65,8 @@ def test_tiered_resume_is_bit_identical_to_uninterrupted_memory_run(tmp_path):
 
 
 def test_eval_of_a_tiered_checkpoint_reads_without_writing(tmp_path):
-    from stream_ctr.train_loop import evaluate_checkpoint
+    from stream_ctr.distributed.job_checkpoint import load_any
+    from stream_ctr.train.loop import evaluate_checkpoint
     cfg = small_config(tmp_path / "run", tiered=True)
     cfg.data.limit_records = 10 * 128
     train(cfg, show_progress=False)
@@ -73,8 +75,8 @@ def test_eval_of_a_tiered_checkpoint_reads_without_writing(tmp_path):
     mem = small_config(tmp_path / "mem", tiered=False)
     mem.data.limit_records = 10 * 128
     train(mem, show_progress=False)
-    r_tier = evaluate_checkpoint(cfg.train.run_dir, "criteo:sample", start=5000, stop=6000)
-    r_mem = evaluate_checkpoint(mem.train.run_dir, "criteo:sample", start=5000, stop=6000)
+    r_tier = evaluate_checkpoint(load_any(cfg.train.run_dir), cfg.train.run_dir, "criteo:sample", start=5000, stop=6000)
+    r_mem = evaluate_checkpoint(load_any(mem.train.run_dir), mem.train.run_dir, "criteo:sample", start=5000, stop=6000)
     assert r_tier["auc"] == r_mem["auc"] and r_tier["logloss"] == r_mem["logloss"]
     assert data.read_bytes() == before
 

@@ -1,7 +1,7 @@
 """Demotion order (LRU, LFU), write-back of dirty rows, admission and TTL on scripted traces."""
 import torch
 
-from stream_ctr.embedding import init_rows
+from stream_ctr.store.embedding import init_rows
 from stream_ctr.store.layout import LAST_STEP, META_FIELDS
 from stream_ctr.store.policies import AdmissionSketch, priority, select_victims, victim_order
 from tests.stream_ctr.store.helpers import step, tiny_store, where

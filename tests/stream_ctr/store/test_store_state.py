@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stream_ctr.config import ModelConfig
-from stream_ctr.embedding import InMemoryEmbeddingStore
+from stream_ctr.store.embedding import InMemoryEmbeddingStore
 from stream_ctr.store import tiered
 from stream_ctr.store.layout import LAST_STEP, WRITE_GEN
 from stream_ctr.store.policies import AdmissionSketch

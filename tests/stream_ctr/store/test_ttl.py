@@ -5,11 +5,12 @@ import random
 import pytest
 import torch
 
-from stream_ctr.embedding import init_rows
+from stream_ctr.store.embedding import init_rows
 from stream_ctr.store import tiered
 from stream_ctr.store.layout import COUNT, WRITE_GEN
-from stream_ctr.train_loop import LookAhead, configure_torch
-from stream_ctr.trainer import Trainer
+from stream_ctr.train.batches import LookAhead
+from stream_ctr.train.loop import configure_torch
+from stream_ctr.train.trainer import Trainer
 from tests.stream_ctr.store.helpers import criteo_batches, small_config, step, tiny_store, where
 
 BIG, TINY = dict(cache_rows=400, ram_rows=400), dict(cache_rows=8, ram_rows=4)

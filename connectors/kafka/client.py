@@ -1,0 +1,125 @@
+"""Connecting a KafkaSource's consumer, and watching the broker for outages.
+
+At start-up an unreachable broker or a missing topic is a `SourceError` (one
+clear line).  Mid-stream, kafka-python reconnects by itself (backoff up to
+`kafka.reconnect_backoff_max_s`); `BrokerWatch` only notices: when reads
+have waited for records a while it probes the broker, logs one line when it
+goes away and one when it is back, and counts outages for the metrics.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from stream_ctr.connectors.files import SourceError
+from stream_ctr.connectors.kafka.options import KafkaUrl, client_config, split_partition_name
+
+log = logging.getLogger("stream_ctr.connectors.kafka")
+PROBE_EVERY_S = 2.0          # without records this long, check the broker is still there
+PROBE_TIMEOUT_MS = 2000
+
+
+def topic_partition(name: str):
+    """kafka-python's TopicPartition of a "topic/partition" name."""
+    from kafka import TopicPartition
+    topic, partition = split_partition_name(name)
+    return TopicPartition(topic, partition)
+
+
+def unreachable_message(url: KafkaUrl, error: Exception) -> str:
+    return (f"cannot reach a Kafka broker at {','.join(url.bootstrap)} within "
+            f"{url.options.connect_timeout_s:.0f} s ({type(error).__name__}); is it running, and "
+            f"is {url.text} the right address? (kafka.connect_timeout_s sets the wait)")
+
+
+def connect_consumer(url: KafkaUrl):
+    """A consumer in `url`'s group: auto-commit off, no topic auto-creation, large fetches.
+
+    kafka-python's KafkaConsumer, or with ``kafka.client = confluent`` the
+    librdkafka one behind the same calls (`stream_ctr.connectors.kafka.confluent`)."""
+    from kafka import KafkaConsumer
+    from kafka.errors import KafkaError
+    o = url.options
+    try:
+        if o.client == "confluent":
+            consumer = _confluent_consumer(url)
+        else:
+            consumer = KafkaConsumer(
+                **client_config(url), group_id=o.group, enable_auto_commit=False,
+                auto_offset_reset="earliest", allow_auto_create_topics=False,
+                max_poll_records=o.max_poll_records, fetch_max_bytes=o.fetch_max_bytes,
+                max_partition_fetch_bytes=o.max_partition_fetch_bytes,
+                fetch_max_wait_ms=int(min(500, o.poll_timeout_s * 1000)),
+                session_timeout_ms=o.session_timeout_ms, heartbeat_interval_ms=o.heartbeat_interval_ms)
+        missing = [t for t in url.topics if not consumer.partitions_for_topic(t)]
+    except KafkaError as e:
+        raise SourceError(unreachable_message(url, e)) from None
+    if missing:
+        consumer.close(autocommit=False)
+        raise SourceError(f"topic {', '.join(map(repr, missing))} does not exist on "
+                          f"{','.join(url.bootstrap)} (create it, e.g. with "
+                          f"`stream-ctr replay FILE --to {url.text} --partitions N`)")
+    return consumer
+
+
+def _confluent_consumer(url: KafkaUrl):
+    from stream_ctr.connectors.kafka import confluent as kafka_confluent
+    if not kafka_confluent.available():
+        raise SourceError("kafka.client = confluent needs the confluent-kafka package "
+                          "(pip install confluent-kafka), or use kafka.client = kafka-python")
+    return kafka_confluent.ConfluentConsumer(url)
+
+
+class BrokerWatch:
+    """Outage bookkeeping: when reads come back empty, is the broker still there?"""
+
+    def __init__(self, url: KafkaUrl, stats) -> None:
+        self._where = ",".join(url.bootstrap)
+        self._max_backoff_s = url.options.reconnect_backoff_max_s
+        self._stats = stats
+        self.outage_since: float | None = None
+        self._next_probe = time.monotonic() + PROBE_EVERY_S
+        self._backoff_s = 0.5
+
+    @property
+    def in_outage(self) -> bool:
+        return self.outage_since is not None
+
+    def records_arrived(self, now: float) -> bool:
+        """Records came: an outage (if any) is over.  True if one just ended."""
+        self._next_probe = now + PROBE_EVERY_S
+        self._backoff_s = 0.5
+        if self.outage_since is None:
+            return False
+        seconds = now - self.outage_since
+        log.warning("kafka: broker %s reachable again after %.1f s; training continues",
+                    self._where, seconds)
+        self._stats.outage_s += seconds
+        self._stats.connected = True
+        self.outage_since = None
+        return True
+
+    def nothing_arrived(self, consumer, partitions: list[str], now: float) -> bool:
+        """A read waited in vain; probe the broker when due.  True if an outage just ended."""
+        from kafka.errors import KafkaError
+        if now < self._next_probe:
+            return False
+        if not partitions:                  # nothing to ask about (no assignment yet)
+            self._next_probe = now + PROBE_EVERY_S
+            return False
+        try:
+            consumer.beginning_offsets([topic_partition(n) for n in partitions],
+                                       timeout_ms=PROBE_TIMEOUT_MS)
+        except KafkaError as e:
+            if self.outage_since is None:
+                self.outage_since = now
+                self._stats.outages += 1
+                self._stats.connected = False
+                log.warning("kafka: broker %s unreachable (%s); training waits, retrying with "
+                            "backoff up to %.0f s", self._where, type(e).__name__, self._max_backoff_s)
+            else:
+                log.info("kafka: broker still unreachable after %.0f s", now - self.outage_since)
+            self._backoff_s = min(self._backoff_s * 2, self._max_backoff_s)
+            self._next_probe = time.monotonic() + self._backoff_s
+            return False
+        return self.records_arrived(time.monotonic())

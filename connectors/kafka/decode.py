@@ -1,0 +1,166 @@
+"""Kafka message values -> one columnar `Batch`, decoded a whole fetch at a time.
+
+Value layouts (all decoded by `stream_ctr.connectors.decode`, so a record trains the same
+whether it was read from a file or from a topic):
+
+- text, one record per message: a Criteo TSV / Avazu CSV line (a trailing LF
+  or CRLF is allowed);
+- text, packed: many LF-separated lines in one message (what `stream-ctr
+  replay --packed N` produces; far fewer, larger messages are much cheaper to
+  fetch);
+- json: one JSON object per message whose keys are the format's field names
+  (``{"label": 1, "I1": 5, ..., "C26": "3b183c6c"}``; a missing key or null is
+  a missing value).
+
+All messages of a fetch are joined into one buffer and decoded by one
+vectorized call; Python loops run only over rejected records.  JSON costs
+more: one `json.loads` parses the whole fetch (in C), then each field is
+picked out of the objects by a list comprehension and the values are joined
+into the format's text lines (still no per-record Python call of ours).  A row's `Batch.offset` is the *Kafka offset of its message*
+(the rows of a packed message share it) and `Batch.partition` indexes
+``"topic/partition"`` names.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from operator import itemgetter
+
+import numpy as np
+
+from stream_ctr.connectors.batch import Batch, Rejected
+from stream_ctr.connectors.decode import decode_buffer
+from stream_ctr.connectors.formats import RecordFormat
+
+EMPTY_MESSAGE, BAD_JSON = "empty_message", "bad_json"
+_SLACK = bytes(8)                   # after the joined values: the decoder's word reads stay inside
+
+
+@dataclass
+class DecodedMessages:
+    batch: Batch                    # good rows, in message order then line order
+    rejected: list[Rejected]        # offset = Kafka offset of the message the bad record was in
+    rows_per_message: np.ndarray    # int64 [n_messages]: good rows each message produced
+    line_in_message: np.ndarray     # int64 [B]: 0-based line of each row inside its message
+
+
+def decode_messages(values: list[bytes], msg_partition: np.ndarray, msg_offset: np.ndarray,
+                    msg_time_ms: np.ndarray, partitions: tuple[str, ...], fmt: RecordFormat,
+                    value_format: str = "text") -> DecodedMessages:
+    """Decode message `values` (message i is at `msg_offset[i]` of partition
+    `partitions[msg_partition[i]]`, produced at `msg_time_ms[i]`).
+
+    Rows of formats without an event time (Criteo) get the message timestamp.
+    Nothing is dropped silently: every line is a row or a `Rejected`; a
+    message with no line at all is rejected as ``empty_message``.  Empty
+    lines (a message's trailing LF, blank lines) are no records.
+    """
+    raw_values, bad_json = values, []
+    if value_format == "json":
+        values, bad_json = json_to_lines(values, fmt)
+    # One join: every message ends in an LF, then the decoder's 8 bytes of slack.
+    data = b"\n".join(values + [_SLACK])
+    lines = decode_buffer(np.frombuffer(data, dtype=np.uint8), len(data) - len(_SLACK), fmt, "", 0,
+                          skip_empty_lines=True)
+    batch, row_line = lines.batch, lines.batch.offset
+    empty = lines.line_lf == lines.line_start
+    if len(empty) == len(values) and not empty.any():   # one line per message: line i is message i
+        line_msg = np.arange(len(values))      # rejects index lines, rows index good rows
+        row_msg = row_line
+        line_in_message = np.zeros_like(row_line)
+        no_line = []
+    else:
+        lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+        msg_start = np.zeros(len(values), dtype=np.int64)
+        np.cumsum(lengths[:-1] + 1, out=msg_start[1:])
+        line_msg = np.searchsorted(msg_start, lines.line_start, side="right") - 1
+        row_msg = line_msg[row_line]
+        # Lines are numbered inside their message without the empty ones.
+        rank = np.cumsum(~empty) - 1
+        lines_per_message = np.bincount(line_msg[~empty], minlength=len(values))
+        first_rank = np.cumsum(lines_per_message) - lines_per_message
+        line_in_message = rank[row_line] - first_rank[row_msg]
+        no_line = np.flatnonzero(lines_per_message == 0)
+    rows_per_message = np.bincount(row_msg, minlength=len(values)).astype(np.int64)
+    batch.offset = msg_offset[row_msg].astype(np.int64)
+    batch.partition = msg_partition[row_msg].astype(np.int32)
+    batch.partitions = partitions
+    if fmt.name == "criteo":          # no event time in the record: use the message's
+        batch.event_time_ms = msg_time_ms[row_msg].astype(np.int64)
+
+    def reject(msg: int, reason: str, raw: bytes) -> Rejected:
+        return Rejected(partitions[msg_partition[msg]], int(msg_offset[msg]), reason, raw)
+
+    rejected = [reject(int(line_msg[r.offset]), r.reason, r.raw) for r in lines.rejected]
+    if len(no_line):
+        json_bad = set(bad_json)
+        rejected += [reject(m, BAD_JSON, raw_values[m]) if m in json_bad
+                     else reject(m, EMPTY_MESSAGE, b"")
+                     for m in map(int, no_line)]
+    return DecodedMessages(batch, rejected, rows_per_message, line_in_message)
+
+
+def json_to_lines(values: list[bytes], fmt: RecordFormat) -> tuple[list[bytes], list[int]]:
+    """JSON objects -> the format's text lines; bad messages become b"" and are listed.
+
+    The whole fetch is parsed by one `json.loads` of a JSON array; only when
+    that fails, or a value held several top-level items (``1, 2``: the array
+    has more elements than messages), are the messages parsed one by one.
+    """
+    try:
+        objects = json.loads(b"[" + b",".join(values) + b"]")
+    except ValueError:
+        objects = None
+    if objects is None or len(objects) != len(values):
+        objects = [_loads_or_none(v) for v in values]
+    bad = [i for i, o in enumerate(objects) if not isinstance(o, dict)]
+    for i in bad:
+        objects[i] = {}
+    columns = []
+    for name in fmt.field_names:
+        column = [o.get(name) for o in objects]
+        text = list(map(str, column))
+        if None in column:                        # null or absent: a missing value
+            text = ["" if v is None else t for v, t in zip(column, text)]
+        columns.append(text)
+    lines = list(map(fmt.delimiter.join, zip(*columns)))
+    if "\n".join(lines).count("\n") != len(lines) - 1:
+        bad += [i for i, line in enumerate(lines) if "\n" in line]   # would split its record
+    for i in bad:
+        lines[i] = ""
+    try:
+        return "\n".join(lines).encode("utf-8").split(b"\n"), sorted(set(bad))
+    except UnicodeEncodeError:                    # a lone surrogate ("\ud800") in some value
+        encoded = []
+        for i, line in enumerate(lines):
+            try:
+                encoded.append(line.encode("utf-8"))
+            except UnicodeEncodeError:
+                bad.append(i)
+                encoded.append(b"")
+        return encoded, sorted(set(bad))
+
+
+def _loads_or_none(value: bytes) -> object:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None
+
+
+def event_order(values: list[bytes], partition: np.ndarray, offset: np.ndarray, time_ms: np.ndarray):
+    """Interleave the partitions of one fetch by message time, each partition kept in offset order.
+
+    A fetch returns each partition as one run; trained run after run, a
+    backfill would see the whole time range once per partition.  The sort key
+    is the running maximum of the timestamps within each partition, so a late
+    timestamp never moves a message ahead of an earlier offset of its partition.
+    """
+    key = time_ms.copy()
+    starts = np.flatnonzero(np.diff(partition, prepend=-1))
+    for lo, hi in zip(starts, np.append(starts[1:], len(key))):
+        np.maximum.accumulate(key[lo:hi], out=key[lo:hi])
+    order = np.argsort(key, kind="stable")
+    if (order[1:] > order[:-1]).all():
+        return values, partition, offset, time_ms
+    return list(itemgetter(*order)(values)), partition[order], offset[order], time_ms[order]

@@ -1,0 +1,176 @@
+"""Producing to Kafka: a producer factory, topic creation, and the dead-letter topic.
+
+A dead-letter message is one rejected record::
+
+    key     b"topic/partition"                     (its source partition)
+    value   {"topic": "clicks", "partition": 2, "offset": 41,
+             "reason": "bad_integer", "raw": "0\\t1\\tx\\t..."}
+    headers reason, source_partition, source_offset
+
+`offset` is the Kafka offset of the message the record was in (the lines of
+a packed message share it).  `write()` returns only once the broker has
+acknowledged every record (retrying through outages), so a record is never
+checkpointed past without being on the dead-letter topic.  It is at-least-once:
+records re-read after a crash are dead-lettered again.
+
+A record longer than `RAW_LIMIT_BYTES` keeps only its first bytes in `raw`,
+with ``"raw_bytes"`` (its length) and ``"raw_sha256"``: one oversized bad line
+must not make a message the broker refuses (JSON escaping can grow a line
+sixfold), which would stop the stream at that record on every restart.  The
+whole record stays at its partition/offset in the source topic.  An error the
+broker will not get over by retrying (a message too large for it, no
+permission to write the topic) is a `SourceError` naming the topic, not an
+endless retry.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import Counter
+
+from stream_ctr.connectors.batch import Rejected
+from stream_ctr.connectors.files import SourceError
+from stream_ctr.connectors.kafka.options import KafkaUrl, client_config, split_partition_name
+
+log = logging.getLogger("stream_ctr.connectors.kafka")
+RAW_LIMIT_BYTES = 64 << 10        # of a rejected record kept in its dead-letter message
+
+
+def make_producer(url: KafkaUrl, **settings):
+    """A KafkaProducer for `url`'s brokers; `settings` are kafka-python producer options."""
+    from kafka import KafkaProducer
+    from kafka.errors import KafkaError
+    from stream_ctr.connectors.kafka.client import unreachable_message
+    defaults = {"acks": "all", "linger_ms": 20, "batch_size": 1 << 20,
+                "max_request_size": 16 << 20}
+    try:
+        return KafkaProducer(**client_config(url), **{**defaults, **settings})
+    except KafkaError as e:
+        raise SourceError(unreachable_message(url, e)) from None
+
+
+def topic_partitions(url: KafkaUrl, topic: str) -> int:
+    """Number of partitions of `topic`; 0 if it does not exist."""
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+    from stream_ctr.connectors.kafka.client import unreachable_message
+    try:
+        admin = KafkaAdminClient(**client_config(url))
+    except KafkaError as e:
+        raise SourceError(unreachable_message(url, e)) from None
+    try:
+        described = admin.describe_topics([topic])
+    finally:
+        admin.close()
+    for entry in described:
+        if entry.get("name") == topic and not entry.get("error_code"):
+            return len(entry.get("partitions") or [])
+    return 0
+
+
+def require_topics(url: KafkaUrl) -> None:
+    """SourceError unless every topic of `url` exists (checked before anything is created)."""
+    missing = [t for t in url.topics if not topic_partitions(url, t)]
+    if missing:
+        raise SourceError(f"topic {', '.join(map(repr, missing))} does not exist on "
+                          f"{','.join(url.bootstrap)} (create it, e.g. with "
+                          f"`stream-ctr replay FILE --to {url.text} --partitions N`)")
+
+
+def create_topic(url: KafkaUrl, topic: str, partitions: int) -> bool:
+    """Create `topic` with `partitions` partitions (the broker's default replication).
+
+    Returns False if it already existed.  SourceError if it cannot be created.
+    """
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+    from kafka.errors import KafkaError, TopicAlreadyExistsError
+    from stream_ctr.connectors.kafka.client import unreachable_message
+    try:
+        admin = KafkaAdminClient(**client_config(url))
+    except KafkaError as e:
+        raise SourceError(unreachable_message(url, e)) from None
+    try:
+        admin.create_topics([NewTopic(topic, partitions, -1)])
+        return True
+    except TopicAlreadyExistsError:
+        return False
+    except KafkaError as e:
+        raise SourceError(f"cannot create topic {topic!r} on {','.join(url.bootstrap)}: {e}") from None
+    finally:
+        admin.close()
+
+
+class KafkaDeadLetter:
+    """Rejected records produced to a dead-letter topic; same interface as DeadLetterFile."""
+
+    def __init__(self, url: KafkaUrl, topic: str) -> None:
+        self.topic = topic
+        self.path = f"kafka://{','.join(url.bootstrap)}/{topic}"
+        self._retry_max_s = url.options.reconnect_backoff_max_s
+        if not topic_partitions(url, topic) and create_topic(url, topic, 1):
+            log.info("kafka: created dead-letter topic %s", topic)
+        self._producer = make_producer(url, acks="all", linger_ms=0)
+        self.counts: Counter[str] = Counter()
+
+    def write(self, rejected: list[Rejected]) -> None:
+        """Produce the records; blocks until the broker acknowledged all of them."""
+        if not rejected:
+            return
+        if self._producer is None:
+            raise ValueError(f"dead-letter topic {self.topic} is closed")
+        from kafka.errors import KafkaError
+        pending = list(rejected)
+        delay = 0.5
+        while pending:
+            sends, failed = [], []
+            for r in pending:
+                try:
+                    sends.append((r, self._send(r)))
+                except KafkaError as e:         # refused before sending (e.g. too large)
+                    failed.append((r, e))
+            self._producer.flush()
+            failed += [(r, future.exception) for r, future in sends if future.failed()]
+            final = [(r, e) for r, e in failed if not getattr(e, "retriable", True)]
+            if final:
+                r, e = final[0]
+                raise SourceError(
+                    f"dead-letter topic {self.topic}: the broker refuses the record from "
+                    f"{r.partition} offset {r.offset} ({type(e).__name__}: {e}); fix the topic's "
+                    f"permissions or size limits, or set kafka.dead_letter_topic = \"\" to write "
+                    f"rejected records to the run's dead-letter file")
+            pending = [r for r, _ in failed]
+            if pending:
+                log.warning("kafka: %d dead-letter records not acknowledged (%s); retrying in %.1f s",
+                            len(pending), failed[0][1], delay)
+                time.sleep(delay)
+                delay = min(delay * 2, self._retry_max_s)
+        self.counts.update(r.reason for r in rejected)
+
+    def _send(self, r: Rejected):
+        topic, partition = split_partition_name(r.partition)
+        value = {"topic": topic, "partition": partition, "offset": r.offset, "reason": r.reason,
+                 "raw": r.raw[:RAW_LIMIT_BYTES].decode("utf-8", errors="replace")}
+        if len(r.raw) > RAW_LIMIT_BYTES:
+            value.update(raw_bytes=len(r.raw), raw_sha256=hashlib.sha256(r.raw).hexdigest())
+        return self._producer.send(
+            self.topic, key=r.partition.encode(), value=json.dumps(value, ensure_ascii=False).encode(),
+            headers=[("reason", r.reason.encode()), ("source_partition", r.partition.encode()),
+                     ("source_offset", str(r.offset).encode())])
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close(timeout=30)
+            self._producer = None
+
+    def __enter__(self) -> "KafkaDeadLetter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,567 @@
+"""KafkaSource: decoded chunks from Kafka topics, read in a consumer group.
+
+The source contract shared with `FileSource` (``read`` -> ``(Batch,
+rejected)``, ``exhausted``, ``snapshot``, ``close``), plus two calls a
+streaming trainer needs:
+
+- ``trained(batch)``: the trainer reports a batch of rows this source returned
+  as trained; returns the resume positions to checkpoint
+  (``{"topic/partition": next offset}``, see `stream_ctr.connectors.kafka.positions`);
+- ``commit(positions)``: publish them as the group's committed offsets.  Call
+  it only after the checkpoint holding them is durable: group offsets are for
+  lag tools and for the next owner of a partition, the checkpoint is the truth.
+
+Offsets and what survives a crash.  Auto-commit is off.  On assignment a
+partition is positioned (in this order) at: the checkpoint's position (the
+first assignment after start only), the position this process last trained to
+before a rebalance took the partition away (or the group's committed offset
+if that is further), the group's committed offset, else `options.start`.
+After a crash the trainer restarts from its checkpoint and re-reads exactly
+the records after it.
+
+Ranks of a distributed job (``wait_for_peers``).  The ranks share one model,
+so a partition that moves between them must continue where the previous rank
+left it, whatever the group offset says (the revocation commit may have
+failed; on a resume the checkpoint is older than what a peer trained since;
+some brokers, tansu among them, drop commit metadata).  A rank's newly
+assigned partitions stay paused (`peers_wanted`) until the job's next step
+exchanges every rank's `handover_positions` (`give_peer_positions`): each
+starts no earlier than the furthest position any rank of this run reached.
+
+Rebalances (exactly-once hand-over).  kafka-python calls the listener on its
+IO thread while the trainer's thread is blocked inside ``read()`` (poll), so
+no train step runs meanwhile.  On revocation the source drops every row of the
+revoked partitions it has not returned, then calls ``on_revoke(names,
+lost=False)``: the trainer drops the rows it holds but has not trained and
+writes a checkpoint; then the source commits the revoked partitions' trained
+positions *before* the group may hand them to another member.  Rows of a
+revoked partition are therefore trained by this trainer only up to that
+committed offset, and by the next owner only after it.  A *lost* membership
+(session expired, broker restarted) cannot commit: rows are dropped the same
+way, and the trained position stays in the checkpoints (and is where this
+trainer continues if the partition comes back).  Since every ``read()``
+polls, a rebalance waits at most one train step for this member.  The
+trainer's hook runs on kafka-python's IO thread (its caller is blocked), so a
+checkpoint written there must not need the caller's thread.
+
+Outages.  Mid-stream, an unreachable broker is retried with growing backoff
+(kafka-python reconnects by itself; the source probes and logs one clear line
+when it goes away and one when it is back) and ``read()`` keeps returning
+empty batches, so the trainer can still stop on a signal.  At start-up an
+unreachable broker or a missing topic is a `SourceError`.
+
+Decoding overlaps fetching.  A polled run of messages is decoded on a worker
+thread (`decode_messages` is numpy, which releases the GIL; two runs may be
+decoded at once) while the caller's thread goes on with kafka-python: when
+``read()`` needs rows that are still being decoded, it polls for the next run
+(briefly, while fewer than two reads' worth of rows are in sight) before it
+waits for them.  Runs are taken into the buffer in fetch order, on the
+caller's thread, exactly as a synchronous decode would have put them there; a
+revocation first waits for the runs in flight and takes them in, then drops
+rows as described above, so the exactly-once hand-over is unchanged.
+
+Backpressure.  Every ``read()`` polls (heartbeats and rebalances go on while
+the trainer works through a large fetch); rows decoded but not yet returned
+stay in a buffer, and above ``max_buffered_records`` the partitions are
+paused (the consumer keeps its membership but fetches nothing) and resumed
+below half of it, so memory stays bounded when the trainer is behind (runs
+still being decoded count, at their estimated rows).
+
+Order.  Within a partition, offset order.  The partitions of one fetch are
+interleaved by message timestamp (`kafka_decode.event_order`), so a backfill
+of several partitions trains in roughly event order rather than partition
+after partition.
+
+Lag, per partition: the high watermark of the last fetch response minus the
+trained offset (at least the records fetched but not trained); see `lag()`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Callable
+
+import numpy as np
+
+from stream_ctr.connectors.batch import Batch, Positions, Rejected
+from stream_ctr.connectors.files import SourceError
+from stream_ctr.connectors.kafka.client import BrokerWatch, connect_consumer
+from stream_ctr.connectors.kafka.client import topic_partition as _tp
+from stream_ctr.connectors.kafka.decode import decode_messages, event_order
+from stream_ctr.connectors.kafka.listener import Listener
+from stream_ctr.connectors.kafka.options import KafkaUrl, check_crc32c, partition_name, start_timestamp_ms
+from stream_ctr.connectors.kafka.positions import (Position, PositionBook, commit_metadata, filter_partitions,
+                                        from_positions, given_up_positions, parse_commit_metadata,
+                                        to_positions)
+
+log = logging.getLogger("stream_ctr.connectors.kafka")
+RevokeHook = Callable[[list[str], bool], None]     # (partition names, lost) -> None
+_VALUE, _OFFSET, _TIMESTAMP = attrgetter("value"), attrgetter("offset"), attrgetter("timestamp")
+# Runs decoded at the same time (they are independent; taken in in fetch order).
+# Two keep both cores of a small machine busy while the caller fetches; more
+# mostly add GIL hand-offs between numpy calls.
+_DECODE_THREADS = 2
+# How long a poll made while rows are still being decoded may wait for the next
+# run: long enough for a fetch response in flight to arrive, short enough that
+# a finished decode is not kept waiting long when nothing more comes.
+_PREFETCH_WAIT_S = 0.01
+
+
+@dataclass
+class _Decoding:
+    """A polled run of messages on the decode worker."""
+    future: Future                  # -> DecodedMessages
+    names: list[str]                # partition names; msg_partition indexes them
+    msg_partition: np.ndarray
+    msg_offset: np.ndarray
+    n_messages: int
+    rows_estimate: int              # for backpressure and prefetching, until it is done
+
+
+@dataclass
+class KafkaStats:
+    """Counters a metrics collector reads at scrape time."""
+    messages: int = 0
+    records: int = 0            # decoded rows returned by read()
+    bytes: int = 0              # message value bytes fetched
+    rejected: int = 0
+    rebalances: int = 0
+    outages: int = 0
+    outage_s: float = 0.0       # finished outages
+    connected: bool = True
+    commits: int = 0
+    commit_failures: int = 0
+    paused: bool = False
+    lag: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class KafkaSource:
+    """Decoded chunks of Kafka topics read in a consumer group; see the module doc."""
+
+    def __init__(self, url: KafkaUrl, positions: Positions | None = None,
+                 on_revoke: RevokeHook | None = None, chunk_records: int = 65536,
+                 wait_for_peers: bool = False) -> None:
+        self.url, self.options = url, url.options
+        # A rank of a distributed job positions a newly assigned partition only once the
+        # job has told it where the other ranks left it (`give_peer_positions`).
+        self._wait_for_peers = wait_for_peers
+        self._peer: dict[str, Position] = {}
+        self._assignments = 0           # non-empty assignments so far
+        self._peers_at = 0              # ... when the peers' positions were last given
+        self.fmt = url.options.record_format
+        self.chunk_records = chunk_records
+        self.stats = KafkaStats()
+        self.crc32c = check_crc32c()
+        self._on_revoke = on_revoke
+        self._book = PositionBook()
+        # The checkpoint's positions serve the first assignment only; the partitions it
+        # had given up continue like ones given up in this process (see PositionBook).
+        self._initial = from_positions(positions or {})
+        self._book.released.update(given_up_positions(positions or {}))
+        for name in self._book.released:
+            self._initial.pop(name, None)
+        self._joined = False                                # the group assigned us (maybe nothing)
+        self._unpositioned: set[str] = set()                # assigned, paused until seeked
+        self._buffer: deque[Batch] = deque()
+        self._buffered = 0
+        self._decoding: deque[_Decoding] = deque()     # in fetch order
+        self._decoder = ThreadPoolExecutor(max_workers=_DECODE_THREADS, thread_name_prefix="kafka-decode")
+        self._rejected: list[Rejected] = []
+        self._backpressure = False
+        self._closing = False
+        self._rows_per_message = 1.0
+        self._idle_since = time.monotonic()
+        self._watch = BrokerWatch(url, self.stats)
+        self._listener_error: BaseException | None = None
+        self._highwater: dict[str, int] = {}         # per partition, from the last fetch response
+        self._consumer = connect_consumer(url)
+        self._consumer.subscribe(list(url.topics), listener=Listener(self))
+
+    # -- the source contract ------------------------------------------------
+    def read(self, max_records: int | None = None) -> tuple[Batch, list[Rejected]]:
+        """Up to `max_records` decoded rows (default `chunk_records`) and the
+        records rejected since the last call; may return an empty Batch.
+
+        Every call polls the consumer, so heartbeats and rebalances progress
+        between train steps; it waits (at most about `options.poll_timeout_s`,
+        longer only while a rebalance listener runs or a new partition is
+        positioned) only when fewer than `max_records` rows are buffered."""
+        want = self.chunk_records if max_records is None else max_records
+        if not self._closing:        # with runs still decoding, waiting is `_collect`'s business
+            self._poll(want - self._buffered - self._rows_decoding(), prefetch=bool(self._decoding))
+        self._collect(want)
+        batch = self._take(want)
+        if len(batch):
+            self._idle_since = time.monotonic()
+        rejected, self._rejected = self._rejected, []
+        self._book.rejects_handed_out()
+        self.stats.rejected += len(rejected)
+        return batch, rejected
+
+    @property
+    def exhausted(self) -> bool:
+        """A stream ends only after `options.stop_when_idle_s` without records
+        (counted from the group's first assignment; not during outages or
+        rebalances, nor while rows are buffered)."""
+        idle = self.options.stop_when_idle_s
+        return bool(idle) and self._joined and not self._buffered and not self._decoding \
+            and not self._watch.in_outage \
+            and not self._unpositioned and time.monotonic() - self._idle_since >= idle
+
+    def snapshot(self) -> Positions:
+        """Resume positions after the last row `read` returned, for owned partitions."""
+        return to_positions(self._book.returned)
+
+    def trained(self, batch: Batch) -> Positions:
+        """Report `batch` (rows this source returned, in order) as trained; returns
+        the positions to checkpoint (every owned partition after its last trained row)."""
+        self._book.advance(self._book.trained, batch)
+        self._book.forget_trained_messages()
+        return self._book.checkpoint_positions()
+
+    @property
+    def peers_wanted(self) -> bool:
+        """A distributed rank's source holds newly assigned partitions paused until
+        `give_peer_positions` (the job's next step exchanges them)."""
+        return self._wait_for_peers and bool(self._unpositioned) and self._peers_at < self._assignments
+
+    def handover_positions(self) -> Positions:
+        """Where this source left the partitions it gave up in this run (for the job's
+        exchange: their next owner may be another rank)."""
+        return to_positions(self._book.released)
+
+    def give_peer_positions(self, every_rank: list[Positions]) -> None:
+        """Every rank's `handover_positions`: a partition assigned here starts no
+        earlier than where any rank of this run left it, even if that rank's commit on
+        revocation failed (or, on a resume, the checkpoint is older). Positions the
+        paused partitions (blocking calls: call it on the caller's thread)."""
+        for positions in every_rank:
+            for name, position in from_positions(positions).items():
+                self._peer[name] = max(self._peer.get(name, position), position)
+        self._peers_at = self._assignments
+        if self._unpositioned:
+            self._position_new_partitions()
+
+    @property
+    def trained_positions(self) -> Positions:
+        """Positions after everything reported trained: owned partitions, plus the
+        ones given up, marked so (see `PositionBook.released`)."""
+        return self._book.checkpoint_positions()
+
+    def owned_rows(self, batch: Batch) -> Batch:
+        """`batch` without the rows of partitions this source no longer owns."""
+        gone = set(batch.partitions) - set(self._book.trained)
+        return filter_partitions(batch, gone) if gone else batch
+
+    def commit(self, positions: Positions) -> bool:
+        """Commit `positions` of owned partitions as the group's offsets; blocks,
+        retrying for up to `options.commit_timeout_s`.  False if it did not succeed
+        (logged; the checkpoint still holds the truth, the next commit catches up)."""
+        from kafka.errors import CommitFailedError, KafkaError
+        offsets = self._offsets(from_positions(positions))
+        if not offsets:
+            return True
+        deadline = time.monotonic() + self.options.commit_timeout_s
+        delay = 0.2
+        while True:
+            try:
+                self._consumer.commit(offsets, timeout_ms=int(self.options.commit_timeout_s * 1000))
+                self.stats.commits += 1
+                return True
+            except CommitFailedError as e:      # not a member right now (a rebalance, a lost group)
+                log.warning("kafka: group commit refused (%s); the group is rebalancing, a "
+                            "revocation or the next checkpoint commits", e)
+                break
+            except KafkaError as e:
+                if time.monotonic() + delay > deadline:
+                    log.warning("kafka: could not commit group offsets for %.0f s (%s); the "
+                                "checkpoint holds them, the next commit catches up",
+                                self.options.commit_timeout_s, e)
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, self.options.reconnect_backoff_max_s)
+        self.stats.commit_failures += 1
+        return False
+
+    def lag(self) -> dict[str, int]:
+        """Per owned partition: records on the broker not yet trained -- the partition's
+        high watermark as the last fetch response reported it, minus the trained
+        offset -- and never less than the records fetched but not yet trained.
+
+        The watermark comes with every fetch response (no extra request; the
+        ListOffsets answer is wrong on some brokers, tansu among them). While the
+        partitions are paused (backpressure) it is the last one seen, so the lag
+        shown is then a lower bound."""
+        trained, fetched = dict(self._book.trained), dict(self._book.fetch_next)   # maybe a scrape thread
+        high = dict(self._highwater)
+        self.stats.lag = {n: max(0, fetched.get(n, off) - off, high.get(n, off) - off)
+                          for n, (off, _) in trained.items()}
+        return self.stats.lag
+
+    def close(self) -> None:
+        """Leave the group without committing (commits follow checkpoints only)."""
+        if self._consumer is not None:
+            self._closing = True
+            try:
+                self._consumer.close(autocommit=False)
+            except Exception as e:          # the broker may be gone; nothing to lose here
+                log.warning("kafka: consumer close: %s", e)
+            self._consumer = None
+        self._decoder.shutdown(wait=True, cancel_futures=True)
+        self._decoding.clear()
+
+    def __enter__(self) -> "KafkaSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- fetching ------------------------------------------------------------
+    def _poll(self, rows_missing: int, prefetch: bool = False) -> int:
+        """One consumer poll; the records go to the decode worker.  Returns the
+        number of messages accepted.  It waits (up to `options.poll_timeout_s`)
+        only when rows are missing; a `prefetch` poll waits `_PREFETCH_WAIT_S`."""
+        from kafka.errors import KafkaError
+        wait = rows_missing > 0 and not prefetch
+        rows = max(rows_missing, self.chunk_records)
+        max_messages = max(1, min(self.options.max_poll_records,
+                                  int(rows / max(self._rows_per_message, 1.0)) + 1))
+        timeout_s = _PREFETCH_WAIT_S if prefetch else self.options.poll_timeout_s if wait else 0
+        try:
+            fetched = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_messages)
+        except KafkaError as e:
+            if not getattr(e, "retriable", False) and "Authentication" in type(e).__name__:
+                raise SourceError(f"kafka: {self.url.text}: authentication failed: {e}") from None
+            if self._listener_error is None:
+                log.warning("kafka: poll failed (%s); retrying", e)
+            fetched = {}
+        if self._listener_error is not None:
+            error, self._listener_error = self._listener_error, None
+            raise error
+        if self._unpositioned:
+            self._position_new_partitions()
+        n = self._accept(fetched)
+        now = time.monotonic()
+        if n:
+            self._idle_since = now
+            self._watch.records_arrived(now)
+        elif wait and self._watch.nothing_arrived(self._consumer, self._book.owned(), now):
+            self._idle_since = now
+        self._apply_backpressure()
+        return n
+
+    def _accept(self, fetched: dict) -> int:
+        """Hand the polled records of owned, positioned partitions to the decode worker;
+        returns their count."""
+        names, values, offsets, times, parts = [], [], [], [], []
+        for tp, records in sorted(fetched.items()):
+            name = partition_name(tp.topic, tp.partition)
+            high = self._consumer.highwater(tp) if name in self._book.trained else None
+            if high is not None:
+                self._highwater[name] = high
+            if name not in self._book.trained or name in self._unpositioned or not records:
+                continue                    # revoked meanwhile, or not positioned yet
+            offs = np.fromiter(map(_OFFSET, records), dtype=np.int64, count=len(records))
+            first = int(np.searchsorted(offs, self._book.fetch_next[name]))
+            if first:                       # already fetched once: never return a record twice
+                records, offs = records[first:], offs[first:]
+            if not len(offs):
+                continue
+            names.append(name)
+            parts.append(np.full(len(offs), len(names) - 1, dtype=np.int32))
+            values.extend(map(_VALUE, records))
+            offsets.append(offs)
+            times.append(np.fromiter(map(_TIMESTAMP, records), dtype=np.int64, count=len(records)))
+        if not names:
+            return 0
+        msg_partition, msg_offset, msg_time = np.concatenate(parts), np.concatenate(offsets), np.concatenate(times)
+        if len(names) > 1:
+            values, msg_partition, msg_offset, msg_time = event_order(values, msg_partition,
+                                                                       msg_offset, msg_time)
+        for name, offs in zip(names, offsets):
+            self._book.fetch_next[name] = int(offs[-1]) + 1     # the next poll's duplicates
+        future = self._decoder.submit(decode_messages, values, msg_partition, msg_offset, msg_time,
+                                      tuple(names), self.fmt, self.options.value_format)
+        self._decoding.append(_Decoding(future, names, msg_partition, msg_offset, len(values),
+                                        int(len(values) * self._rows_per_message)))
+        self.stats.messages += len(values)
+        self.stats.bytes += sum(map(len, values))
+        return len(values)
+
+    def _rows_decoding(self) -> int:
+        return sum(d.rows_estimate for d in self._decoding)
+
+    def _collect(self, want: int) -> None:
+        """Take decoded runs into the buffer, oldest first, while fewer than `want`
+        rows are buffered, waiting for them if need be.  While the oldest is still
+        decoding and fewer than 2 * `want` rows are in sight, poll for the next run
+        first: that fetching (this thread) overlaps the decoding (the worker).  Runs
+        beyond `want` stay queued, so the next read() finds them without waiting on
+        the broker.  A poll may run the rebalance listener, which takes every run in
+        itself; so the queue is looked at afresh after each."""
+        prefetch = not self._closing
+        while self._decoding and self._buffered < want:
+            in_sight = self._buffered + self._rows_decoding()
+            if prefetch and in_sight < 2 * want and not self._decoding[0].future.done():
+                prefetch = self._poll(2 * want - in_sight, prefetch=True) > 0
+                continue
+            self._take_in(self._decoding.popleft())
+
+    def _take_in(self, run: _Decoding) -> None:
+        """Put a decoded run into the buffer (on the caller's thread, or the listener's
+        while the caller is blocked in poll)."""
+        decoded = run.future.result()
+        names, msg_partition, msg_offset = run.names, run.msg_partition, run.msg_offset
+        for index, name in enumerate(names):
+            mine = msg_partition == index
+            self._book.note_message_rows(name, msg_offset[mine], decoded.rows_per_message[mine])
+        rejected = decoded.rejected
+        skipped = {name: pos for name, pos in self._book.skip.items() if name in names}
+        if skipped:   # resuming inside a packed message: its bad lines were dead-lettered already
+            rejected = [r for r in rejected if skipped.get(r.partition, (None,))[0] != r.offset]
+        batch = self._book.drop_skipped(decoded.batch)
+        self._rejected.extend(rejected)
+        if len(batch):
+            self._buffer.append(batch)
+            self._buffered += len(batch)
+        self._rows_per_message = 0.8 * self._rows_per_message + 0.2 * max(
+            1.0, (len(decoded.batch) + len(decoded.rejected)) / run.n_messages)
+
+    def _take(self, want: int) -> Batch:
+        """Pop up to `want` buffered rows, oldest first."""
+        if not self._buffered:
+            return Batch.empty(self.fmt.n_keys, self.fmt.n_dense)
+        pieces, n = [], 0
+        while self._buffer and n < want:
+            head = self._buffer.popleft()
+            if n + len(head) > want:
+                cut = want - n
+                self._buffer.appendleft(head.slice(cut, len(head)))
+                head = head.slice(0, cut)
+            pieces.append(head)
+            n += len(head)
+        self._buffered -= n
+        batch = pieces[0] if len(pieces) == 1 else Batch.concat(pieces)
+        self._book.advance(self._book.returned, batch)
+        self.stats.records += n
+        return batch
+
+    def _apply_backpressure(self) -> None:
+        limit = self.options.max_buffered_records
+        rows = self._buffered + self._rows_decoding()
+        if not self._backpressure and rows > limit:
+            self._backpressure = True
+        elif self._backpressure and rows < limit // 2:
+            self._backpressure = False
+        else:
+            return
+        tps = [_tp(n) for n in self._book.owned() if n not in self._unpositioned]
+        (self._consumer.pause if self._backpressure else self._consumer.resume)(*tps)
+        self.stats.paused = self._backpressure
+
+    # -- rebalances (called by the listener on kafka-python's IO thread) ----
+    def _on_revoked(self, tps: set, lost: bool) -> dict:
+        """Give up `tps`; returns the offsets to commit for them (none if lost)."""
+        names = sorted(partition_name(tp.topic, tp.partition) for tp in tps)
+        if not names or self._closing:
+            return {}
+        self.stats.rebalances += 1
+        self._joined = False                # not idle while the group rebalances
+        while self._decoding:               # as if decoded synchronously: take them in first
+            self._take_in(self._decoding.popleft())
+        gone = set(names)
+        self._buffer = deque(b for b in (filter_partitions(b, gone) for b in self._buffer) if len(b))
+        self._buffered = sum(map(len, self._buffer))
+        self._unpositioned -= gone
+        positions = self._book.release(names)     # checkpoints keep them from here on
+        for name in names:
+            self._highwater.pop(name, None)
+        log.info("kafka: partitions %s %s", ", ".join(names),
+                 "lost (group membership expired)" if lost else "revoked by a rebalance")
+        if self._on_revoke is not None:
+            self._on_revoke(names, lost)
+        return {} if lost else self._offsets(positions, owned_only=False)
+
+    def _on_assigned(self, tps: set) -> None:
+        names = {partition_name(tp.topic, tp.partition) for tp in tps}
+        self._unpositioned |= names - set(self._book.owned())
+        if tps:
+            self._assignments += 1
+            self._consumer.pause(*tps)      # nothing is fetched before it is positioned
+            log.info("kafka: assigned %s", ", ".join(sorted(names)))
+        else:
+            self._initial = {}              # the checkpoint's positions serve the first assignment only
+        self._joined = True
+        self._idle_since = time.monotonic()
+
+    def _position_new_partitions(self) -> None:
+        """Seek newly assigned partitions (on the caller's thread: blocking calls are allowed)."""
+        from kafka.errors import KafkaError
+        if self.peers_wanted:               # paused until the job's next exchange
+            return
+        names = sorted(self._unpositioned)
+        try:
+            committed = {n: self._consumer.committed(_tp(n), metadata=True) for n in names}
+            starts = self._start_positions([n for n in names if committed[n] is None
+                                            and n not in self._initial and n not in self._book.released])
+        except KafkaError as e:
+            log.warning("kafka: cannot position %s yet (%s); retrying", ", ".join(names), e)
+            return
+        for name in names:
+            c = committed[name]
+            group = (c.offset, parse_commit_metadata(c.metadata)) if c is not None and c.offset >= 0 else None
+            position = self._choose_position(name, group, starts.get(name))
+            self._book.own(name, position)
+            self._consumer.seek(_tp(name), position[0])
+        self._initial = {}
+        self._unpositioned.clear()
+        if not self._backpressure:
+            self._consumer.resume(*[_tp(n) for n in names])
+        self._idle_since = time.monotonic()
+
+    def _choose_position(self, name: str, group: Position | None, start: Position | None) -> Position:
+        if name in self._initial:
+            position = self._initial[name]
+            if group is not None and group > position:
+                log.warning("kafka: %s: the group's committed offset %d is past this checkpoint's "
+                            "%d (another member trained those records, or this checkpoint is "
+                            "older); resuming at the checkpoint", name, group[0], position[0])
+            how = "checkpoint"
+        elif name in self._book.released:
+            position, how = max(self._book.released[name], group or (-1, 0)), "own last position"
+        elif group is not None:
+            position, how = group, "group offset"
+        else:
+            position, how = start or (0, 0), f"start={self.options.start}"
+        peer = self._peer.get(name)
+        if peer is not None and peer > position:
+            position, how = peer, "where another rank of this job left it"
+        log.info("kafka: %s starts at offset %d (%s)", name, position[0], how)
+        return position
+
+    def _start_positions(self, names: list[str]) -> dict[str, Position]:
+        if not names:
+            return {}
+        tps = [_tp(n) for n in names]
+        timestamp = start_timestamp_ms(self.options.start)
+        if timestamp is not None:
+            found = self._consumer.offsets_for_times({tp: timestamp for tp in tps})
+            ends = self._consumer.end_offsets([tp for tp in tps if found.get(tp) is None])
+            return {n: ((found[tp].offset if found.get(tp) else ends[tp]), 0) for n, tp in zip(names, tps)}
+        edge = (self._consumer.beginning_offsets if self.options.start == "earliest"
+                else self._consumer.end_offsets)(tps)
+        return {n: (edge[tp], 0) for n, tp in zip(names, tps)}
+
+    def _offsets(self, positions: dict[str, Position], owned_only: bool = True) -> dict:
+        from kafka.structs import OffsetAndMetadata
+        return {_tp(n): OffsetAndMetadata(off, commit_metadata(done), -1)
+                for n, (off, done) in positions.items() if not owned_only or n in self._book.trained}
+

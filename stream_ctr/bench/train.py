@@ -1,0 +1,132 @@
+"""`stream-ctr bench train`: training throughput and peak memory per batch size.
+
+Each batch size runs in its own process so that its peak RSS is its own.
+Two numbers per configuration:
+  * excluding decoding: all batches are decoded first, then only steps are timed;
+  * including decoding: the file is read, decoded, micro-batched and trained,
+    as `stream-ctr train` does.
+The phase split (prepare / forward+backward / update) shows where time goes.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from stream_ctr.connectors.batch import Batch
+from stream_ctr.connectors.files import FileSource, detect_format
+from stream_ctr.train.batcher import MicroBatcher
+from stream_ctr.config import Config
+
+
+def _bench_config(model: str, batch_size: int, threads: int) -> Config:
+    cfg = Config()
+    cfg.model.name = model
+    cfg.data.batch_size = batch_size
+    cfg.train.threads = threads
+    cfg.train.device = "auto"
+    return cfg
+
+
+def _batches(path: str, batch_size: int) -> list[Batch]:
+    fmt, p = detect_format(f"criteo:{path}")
+    batcher, out = MicroBatcher(batch_size), []
+    with FileSource(p, fmt, chunk_records=max(65536, batch_size)) as src:
+        while not src.exhausted:
+            out.extend(batcher.add(src.read()[0]))
+    return out
+
+
+def _worker(path: str, model: str, batch_size: int, threads: int, queue: mp.Queue) -> None:
+    from stream_ctr.train.trainer import Trainer
+    from stream_ctr.train.loop import configure_torch
+    cfg = _bench_config(model, batch_size, threads)
+    configure_torch(cfg)
+    fmt, _ = detect_format(f"criteo:{path}")
+
+    # Excluding decoding: decode everything first, then time only the steps.
+    t0 = time.perf_counter()
+    batches = _batches(path, batch_size)
+    decode_s = time.perf_counter() - t0
+    records = sum(len(b) for b in batches)
+    trainer = Trainer(cfg, fmt.n_keys, fmt.n_dense)
+    phases = {"prepare": 0.0, "forward_backward": 0.0, "update": 0.0}
+    t0 = time.perf_counter()
+    for batch in batches:
+        result = trainer.train_step(batch)
+        for k, v in result.phase_s.items():
+            phases[k] += v
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize()
+    train_s = time.perf_counter() - t0
+    del batches
+
+    # Including decoding: a fresh model on the file, the way `train` runs.
+    trainer = Trainer(cfg, fmt.n_keys, fmt.n_dense)
+    t0 = time.perf_counter()
+    fmt, p = detect_format(f"criteo:{path}")
+    batcher = MicroBatcher(batch_size)
+    with FileSource(p, fmt, chunk_records=max(65536, batch_size)) as src:
+        while not src.exhausted:
+            for batch in batcher.add(src.read()[0]):
+                trainer.train_step(batch)
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize()
+    total_s = time.perf_counter() - t0
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    queue.put({"model": model, "batch_size": batch_size, "records": records,
+               "device": str(trainer.device), "threads": torch.get_num_threads(),
+               "samples_per_s_excl_decode": records / train_s,
+               "samples_per_s_incl_decode": records / total_s,
+               "decode_records_per_s": records / decode_s,
+               "prepare_pct": 100 * phases["prepare"] / train_s,
+               "fwd_bwd_pct": 100 * phases["forward_backward"] / train_s,
+               "update_pct": 100 * phases["update"] / train_s,
+               "peak_rss_mb": peak_rss_mb})
+
+
+def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
+                data: str | None = None, threads: int = 0, show_progress: bool = True) -> list[dict]:
+    from stream_ctr.connectors.synth import write_synthetic_criteo
+    tmp = None
+    if data is None:
+        tmp = tempfile.TemporaryDirectory(prefix="stream_ctr_bench_")
+        data = str(Path(tmp.name) / "synth.tsv")
+        write_synthetic_criteo(data, records, seed=0)
+    ctx = mp.get_context("spawn")
+    rows = []
+    try:
+        for bs in batch_sizes:
+            queue = ctx.Queue()
+            proc = ctx.Process(target=_worker, args=(data, model, bs, threads, queue))
+            proc.start()
+            row = queue.get()
+            proc.join()
+            rows.append(row)
+            if show_progress:
+                print(f"bench train: batch {bs:,}: {row['samples_per_s_excl_decode']:,.0f} samples/s "
+                      f"(excl. decode)", flush=True, file=__import__("sys").stderr)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = [("batch_size", "batch", "{:,}"), ("records", "records", "{:,}"),
+            ("samples_per_s_excl_decode", "samples/s excl. decode", "{:,.0f}"),
+            ("samples_per_s_incl_decode", "samples/s incl. decode", "{:,.0f}"),
+            ("decode_records_per_s", "decode rec/s", "{:,.0f}"),
+            ("prepare_pct", "prepare %", "{:.0f}"), ("fwd_bwd_pct", "fwd+bwd %", "{:.0f}"),
+            ("update_pct", "update %", "{:.0f}"), ("peak_rss_mb", "peak RSS MB", "{:,.0f}")]
+    table = [[title for _, title, _ in cols]]
+    table += [[fmt.format(r[key]) for key, _, fmt in cols] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+    lines = [" | ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    device = rows[0]["device"] if rows else "?"
+    return f"model {rows[0]['model'] if rows else '?'} on {device}\n" + "\n".join(lines)

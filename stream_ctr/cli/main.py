@@ -1,0 +1,309 @@
+"""`stream-ctr`: train, evaluate, generate synthetic data, benchmark
+(`bench train | ingest | store | merge | kernels | step`).
+
+Every command ends with a one-line human summary on stdout; with `--json` that
+line is a JSON object instead (the last line of stdout). Errors a user can
+cause print one line `stream-ctr: error: ...` and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from stream_ctr.cli.output import emit
+from stream_ctr.config import ConfigError, load_config, set_option
+
+EPILOG = """examples:
+  stream-ctr train                                  # DeepFM on the bundled Criteo sample
+  stream-ctr train criteo:data/day_0.gz --batch-size 65536 --set optim.lr_dense=8e-3
+  stream-ctr train --resume runs/latest             # continue exactly where a run stopped
+  stream-ctr eval runs/latest avazu:sample --json
+  stream-ctr synth /tmp/criteo_1m.tsv --records 1000000
+  stream-ctr bench train --records 1000000
+  stream-ctr train --cache-bytes 2GiB --ram-bytes 32GiB --disk-bytes 2TB --store-dir /ssd/emb
+  stream-ctr bench store --distinct 100000000 --store-dir /ssd/bench
+  stream-ctr train --metrics-port 9420               # Prometheus scrapes 127.0.0.1:9420/metrics
+  stream-ctr report runs/latest                     # PNG plots + one-page HTML of a run
+  stream-ctr replay criteo:sample --to kafka://127.0.0.1:9092/clicks --partitions 3
+  stream-ctr train 'kafka://127.0.0.1:9092/clicks?group=ctr' --checkpoint-every 100
+  stream-ctr bench ingest                           # Kafka consume + decode throughput
+  torchrun --nproc-per-node=4 -m stream_ctr train --merge-every 16   # 4 replicas, sharded rows
+  stream-ctr bench merge                            # k-step merge: bytes, ms/step, AUC per k
+  stream-ctr bench kernels --dims 10,16,64,128      # ops/ kernels: GB/s vs a device copy
+  stream-ctr bench step                             # DeepFM steps/s, torch reference vs Triton
+
+options can also come from a TOML file (--config, or $STREAM_CTR_CONFIG) and from
+--set section.name=value (sections: data, model, optim, train, metrics, kafka,
+distributed)."""
+
+
+def _env(name: str, default: Any = None) -> Any:
+    return os.environ.get(name, default)
+
+
+def _byte_size(text: str) -> int:
+    from stream_ctr.config import parse_bytes
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--quiet", action="store_true", help="no live progress on stderr")
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a CTR model on a stream or a file",
+                       description="Train with prequential (test-then-train) evaluation, "
+                                   "checkpointing at the end (and every N batches if asked).")
+    p.add_argument("source", nargs="?", help="criteo:PATH, avazu:PATH, a path, "
+                   "criteo:sample / avazu:sample (bundled real samples), or a Kafka topic "
+                   "kafka://HOST:PORT/TOPIC?group=G&format=criteo (options: [kafka] config "
+                   "section). default: criteo:sample")
+    p.add_argument("--stop-after-records", type=int, metavar="N", help="data.limit_records: "
+                   "stop after training N records in this invocation (streams: backfills, tests)")
+    p.add_argument("--stop-when-idle", type=float, metavar="SECONDS", help="kafka.stop_when_idle_s: "
+                   "end a Kafka run after this long without new records")
+    p.add_argument("--config", default=_env("STREAM_CTR_CONFIG"),
+                   help="TOML config file [env STREAM_CTR_CONFIG]")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE",
+                   help="override any config option (repeatable)")
+    p.add_argument("--model", choices=["deepfm", "wdl", "dcn", "dcnv2"], help="model.name")
+    p.add_argument("--batch-size", type=int, help="data.batch_size")
+    p.add_argument("--scale", type=float, help="apply CowClip's scaling rule with factor s to "
+                   "the configured batch size and rates (batch x s, l2 x s, lr_dense x sqrt(s))")
+    p.add_argument("--epochs", type=int, help="data.epochs (passes over a file)")
+    p.add_argument("--limit", type=int, help="data.limit_records: train at most N records")
+    p.add_argument("--holdout-fraction", type=float, help="data.holdout_fraction: keep the "
+                   "last F of the records out of training and evaluate on them at the end")
+    p.add_argument("--run-dir", default=_env("STREAM_CTR_RUN_DIR"),
+                   help="train.run_dir: checkpoints and dead letters go here [env STREAM_CTR_RUN_DIR]")
+    p.add_argument("--checkpoint-every", type=int, help="train.checkpoint_every_batches")
+    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint, checkpoint root or run dir")
+    p.add_argument("--device", default=_env("STREAM_CTR_DEVICE"),
+                   help="auto (CUDA if present), cpu, cuda[:N] [env STREAM_CTR_DEVICE]")
+    p.add_argument("--seed", type=int, help="train.seed")
+    p.add_argument("--threads", type=int, help="train.threads (torch intra-op threads)")
+    p.add_argument("--store", choices=["memory", "tiered"], help="store.kind: embedding rows in "
+                   "one device table, or tiered (device cache + host RAM + LMDB on disk)")
+    for flag, what in (("cache-bytes", "device cache"), ("ram-bytes", "host RAM tier"),
+                       ("disk-bytes", "LMDB store cap")):
+        p.add_argument(f"--{flag}", type=_byte_size, metavar="SIZE",
+                       help=f"store.{flag.replace('-', '_')}: {what} budget, e.g. 512MiB, 8GB "
+                       "(implies --store tiered)")
+    p.add_argument("--store-dir", help="store.store_dir: LMDB directory of the tiered store "
+                   "(default RUN_DIR/store; implies --store tiered)")
+    p.add_argument("--metrics-port", type=int, default=_env("STREAM_CTR_METRICS_PORT"),
+                   help="metrics.port: serve Prometheus metrics on this port (+ local rank under "
+                   "torchrun); 0 = off [env STREAM_CTR_METRICS_PORT]")
+    p.add_argument("--metrics-addr", default=_env("STREAM_CTR_METRICS_ADDR"),
+                   help="metrics.addr: address the metrics endpoint binds (default 127.0.0.1; "
+                   "0.0.0.0 for remote scrapers) [env STREAM_CTR_METRICS_ADDR]")
+    p.add_argument("--distributed", action="store_true",
+                   help="train as several replicas (sharded embeddings, k-step dense merging); "
+                   "automatic under torchrun, otherwise starts --nproc-per-node local ranks")
+    p.add_argument("--nproc-per-node", type=int, default=2, metavar="N",
+                   help="ranks --distributed starts on this machine without torchrun (default 2)")
+    p.add_argument("--merge-every", type=int, metavar="K",
+                   help="distributed.merge_every_k_steps: average the dense replicas every K steps")
+    _add_common(p)
+    p.set_defaults(func=cmd_train)
+
+
+def _eval_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="score a file with a checkpoint: AUC, logloss, calibration")
+    p.add_argument("checkpoint", help="checkpoint directory, checkpoint root or run dir")
+    p.add_argument("source", help="criteo:PATH, avazu:PATH, or a path")
+    p.add_argument("--start", type=int, default=0, help="first data-line offset to score")
+    p.add_argument("--stop", type=int, default=None, help="stop before this data-line offset")
+    _add_common(p)
+    p.set_defaults(func=cmd_eval)
+
+
+def _synth_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("synth", help="write a synthetic Criteo-format file (Zipf ids, teacher labels)")
+    p.add_argument("output", help="output path (.gz for gzip)")
+    p.add_argument("--records", type=int, default=1_000_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids")
+    _add_common(p)
+    p.set_defaults(func=cmd_synth)
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print a table")
+    bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    b = bsub.add_parser("train", help="training throughput and peak memory of DeepFM")
+    b.add_argument("--records", type=int, default=1_000_000, help="rows of synthetic Criteo data")
+    b.add_argument("--batch-sizes", default="1024,8192,65536")
+    b.add_argument("--model", default="deepfm")
+    b.add_argument("--data", help="use this Criteo file instead of generating one")
+    b.add_argument("--threads", type=int, default=0)
+    _add_common(b)
+    b.set_defaults(func=cmd_bench_train)
+    from stream_ctr.cli.kafka import add_bench_ingest_parser
+    add_bench_ingest_parser(bsub, _add_common)
+    from stream_ctr.bench.store import add_bench_store_parser
+    add_bench_store_parser(bsub, _add_common, _byte_size)
+    from stream_ctr.bench.merge import add_bench_merge_parser
+    add_bench_merge_parser(bsub, _add_common)
+    from stream_ctr.bench.kernels import add_bench_kernels_parser
+    add_bench_kernels_parser(bsub, _add_common)
+    from stream_ctr.bench.step import add_bench_step_parser
+    add_bench_step_parser(bsub, _add_common)
+
+
+def _report_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="plots (PNG) and a one-page HTML summary of a run",
+                       description="Read RUN_DIR/timeseries.jsonl (written while training) and write "
+                                   "AUC/logloss, throughput, lag and tier hit-ratio plots plus "
+                                   "index.html into RUN_DIR/report (or --out).")
+    p.add_argument("run_dir", help="run directory, or a checkpoint directory inside one")
+    p.add_argument("--out", help="output directory (default RUN_DIR/report)")
+    _add_common(p)
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from stream_ctr.telemetry.report import write_report
+    out = write_report(args.run_dir, args.out)
+    emit(args, {"report": str(out.html), "plots": [str(p) for p in out.plots], "records": out.records},
+         f"report of {out.records:,} trained records: {out.html} ({len(out.plots)} plots)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stream-ctr", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Streaming trainer for click-through-rate models (DeepFM, W&D, DCN, DCNv2) "
+                    "with CowClip, tiered embeddings and prequential evaluation.")
+    from stream_ctr import __version__
+    parser.add_argument("--version", action="version", version=f"stream-ctr {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_train_parser, _eval_parser, _synth_parser, _bench_parser, _report_parser):
+        add(sub)
+    from stream_ctr.cli.kafka import add_replay_parser
+    add_replay_parser(sub, _add_common)
+    from stream_ctr.cli.resources import add_resource_parsers
+    add_resource_parsers(sub, _add_common)
+    return parser
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from stream_ctr.config import scale_config
+    from stream_ctr.train.loop import train
+    cfg = load_config(args.config, args.set)
+    flags = {"source": ("data.source", args.source), "model": ("model.name", args.model),
+             "batch": ("data.batch_size", args.batch_size), "epochs": ("data.epochs", args.epochs),
+             "limit": ("data.limit_records", args.limit),
+             "stop_after": ("data.limit_records", args.stop_after_records),
+             "idle": ("kafka.stop_when_idle_s", args.stop_when_idle),
+             "holdout": ("data.holdout_fraction", args.holdout_fraction),
+             "run_dir": ("train.run_dir", args.run_dir),
+             "every": ("train.checkpoint_every_batches", args.checkpoint_every),
+             "device": ("train.device", args.device), "seed": ("train.seed", args.seed),
+             "threads": ("train.threads", args.threads),
+             "metrics_port": ("metrics.port", args.metrics_port),
+             "metrics_addr": ("metrics.addr", args.metrics_addr)}
+    for dotted, value in flags.values():
+        if value is not None:
+            set_option(cfg, dotted, value, origin="command line")
+    store_flags = {"store.cache_bytes": args.cache_bytes, "store.ram_bytes": args.ram_bytes,
+                   "store.disk_bytes": args.disk_bytes, "store.store_dir": args.store_dir}
+    for dotted, value in store_flags.items():
+        if value is not None:
+            set_option(cfg, dotted, value, origin="command line")
+            cfg.store.kind = "tiered"
+    if args.store is not None:
+        set_option(cfg, "store.kind", args.store, origin="command line")
+    if args.merge_every is not None:
+        set_option(cfg, "distributed.merge_every_k_steps", args.merge_every, origin="command line")
+    if args.scale is not None:
+        cfg = scale_config(cfg, args.scale)
+    if cfg.data.source.lower().startswith("kafka://"):
+        from stream_ctr.cli.output import configure_logging
+        configure_logging(args.quiet)
+    from stream_ctr.distributed.context import launched_by_torchrun
+    if args.distributed and not launched_by_torchrun():
+        from stream_ctr.distributed.run import launch_local
+        return launch_local(args.nproc_per_node, args.argv)
+    if launched_by_torchrun():
+        from stream_ctr.distributed.run import train_distributed
+        s = train_distributed(cfg, resume=args.resume, show_progress=not args.quiet)
+        if int(os.environ["RANK"]) != 0:    # rank 0 prints the job's summary
+            return 0
+    else:
+        s = train(cfg, resume=args.resume, show_progress=not args.quiet)
+    test = (f"; test AUC {s.test['auc']:.4f} logloss {s.test['logloss']:.4f} "
+            f"on {s.test['records']:,} held-out records") if s.test else ""
+    emit(args, s.as_dict(),
+         f"trained {s.records_trained:,} records ({s.records_rejected:,} rejected) in "
+         f"{s.seconds:.1f} s, {s.samples_per_s:,.0f} samples/s; prequential AUC "
+         f"{s.window.get('auc', float('nan')):.4f}{test}; checkpoint {s.checkpoint}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from stream_ctr.distributed.job_checkpoint import load_any
+    from stream_ctr.train.loop import evaluate_checkpoint
+    result = evaluate_checkpoint(load_any(args.checkpoint), args.checkpoint, args.source,
+                                 args.start, args.stop)
+    emit(args, result, f"AUC {result['auc']:.4f} logloss {result['logloss']:.4f} calibration "
+         f"{result['calibration']:.3f} on {result['records']:,} records ({result['checkpoint']})")
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    import time
+    from stream_ctr.connectors.synth import write_synthetic_criteo
+    t0 = time.perf_counter()
+    n = write_synthetic_criteo(args.output, args.records, seed=args.seed, zipf_exponent=args.zipf,
+                               gzip=str(args.output).endswith(".gz"))
+    dt = time.perf_counter() - t0
+    emit(args, {"path": args.output, "records": n, "seconds": dt},
+         f"wrote {n:,} synthetic Criteo records to {args.output} in {dt:.1f} s")
+    return 0
+
+
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    from stream_ctr.bench.train import bench_train, format_table
+    rows = bench_train(args.records, [int(x) for x in args.batch_sizes.split(",")],
+                       args.model, args.data, args.threads, show_progress=not args.quiet)
+    if not args.json:
+        print(format_table(rows))
+    emit(args, {"bench": "train", "rows": rows}, f"bench train: {len(rows)} configurations measured")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    from stream_ctr.connectors.files import SourceError
+    from stream_ctr.train.checkpoint import CheckpointError
+    from stream_ctr.distributed.context import DistributedError
+    from stream_ctr.store.errors import StoreError
+    try:
+        result = args.func(args)
+        if isinstance(result, tuple):        # a bench: (JSON summary, one line) to print
+            emit(args, *result)
+            return 0
+        return result
+    except (ConfigError, SourceError, CheckpointError, StoreError, FileNotFoundError,
+            FileExistsError) as e:
+        print(f"stream-ctr: error: {e}", file=sys.stderr)
+        return 2
+    except DistributedError as e:         # another rank died or hung: not the user's input
+        print(f"stream-ctr: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:                  # a run directory that cannot be written, a full disk
+        where = f" {e.filename}" if e.filename else ""
+        print(f"stream-ctr: error: cannot use{where}: {e.strerror or e} (check --run-dir, "
+              f"permissions and free disk space)", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("stream-ctr: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,41 @@
+"""What every command prints: one summary line (or one JSON object), and Kafka log lines."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+from typing import Any
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    return x
+
+
+def emit(args: argparse.Namespace, summary: dict, line: str) -> None:
+    print(json.dumps(_finite(summary)) if args.json else line, flush=True)
+
+
+def configure_logging(quiet: bool = False) -> None:
+    """Our Kafka log lines (outages, rebalances, positions) on stderr; kafka-python's own
+    per-connection errors only with STREAM_CTR_KAFKA_DEBUG=1 (our lines say the same once)."""
+    ours = logging.getLogger("stream_ctr.connectors.kafka")
+    if not ours.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("stream-ctr: %(message)s"))
+        ours.addHandler(handler)
+        ours.propagate = False
+    ours.setLevel(logging.WARNING if quiet else logging.INFO)
+    client = logging.getLogger("kafka")
+    if os.environ.get("STREAM_CTR_KAFKA_DEBUG"):
+        if ours.handlers[0] not in client.handlers:
+            client.addHandler(ours.handlers[0])
+        client.setLevel(logging.INFO)
+    else:
+        client.setLevel(logging.CRITICAL)

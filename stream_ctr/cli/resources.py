@@ -1,0 +1,49 @@
+"""`stream-ctr monitoring export DIR` and `stream-ctr config example`: the files shipped in the package."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Callable
+
+from stream_ctr.cli.output import emit
+from stream_ctr.config import load_config, validate
+from stream_ctr.resources import example_config_text, export_monitoring
+
+
+def add_resource_parsers(sub: argparse._SubParsersAction,
+                         add_common: Callable[[argparse.ArgumentParser], None]) -> None:
+    mon = sub.add_parser("monitoring", help="the Prometheus and Grafana files shipped with stream_ctr")
+    msub = mon.add_subparsers(dest="monitoring_command", required=True, metavar="ACTION")
+    exp = msub.add_parser("export", help="write the dashboard, alert rules and Prometheus configs to DIR",
+                          description="Write prometheus.yml, prometheus-ranks.yml, alerts.yml, "
+                                      "alerts_test.yml and grafana/ (dashboard JSON and provisioning) "
+                                      "into DIR, e.g. to mount into Prometheus and Grafana.")
+    exp.add_argument("directory", help="where to write them (created if missing)")
+    exp.add_argument("--force", action="store_true", help="overwrite files that exist")
+    add_common(exp)
+    exp.set_defaults(func=cmd_monitoring_export)
+
+    cfg = sub.add_parser("config", help="configuration files")
+    csub = cfg.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    ex = csub.add_parser("example", help="print (or write) a commented example TOML config")
+    ex.add_argument("--output", "-o", help="write it to this file instead of stdout")
+    ex.set_defaults(func=cmd_config_example)
+
+
+def cmd_monitoring_export(args: argparse.Namespace) -> int:
+    written = export_monitoring(args.directory, overwrite=args.force)
+    emit(args, {"directory": str(args.directory), "files": [str(p) for p in written]},
+         f"wrote {len(written)} monitoring files to {args.directory} "
+         f"(prometheus --config.file={Path(args.directory) / 'prometheus.yml'})")
+    return 0
+
+
+def cmd_config_example(args: argparse.Namespace) -> int:
+    text = example_config_text()
+    if args.output:
+        Path(args.output).write_text(text)
+        validate(load_config(args.output))          # what we ship must load as it is
+        print(f"wrote an example config to {args.output} (stream-ctr train --config {args.output})")
+    else:
+        print(text, end="")
+    return 0

@@ -1,0 +1,265 @@
+"""The object a trainer rank reports its events to, and the /metrics endpoint.
+
+``TrainerMetrics`` updates the metrics of `stream_ctr.telemetry.catalogue`
+directly (per batch or per chunk, never per record: a handful of counter
+increments and a vectorized ``bincount`` / ``max`` over the batch columns).
+The registry is always passed in (tests use a fresh ``CollectorRegistry``);
+nothing here touches prometheus_client's global registry. Values another
+component owns are read at scrape time by custom collectors
+(`stream_ctr.telemetry.collectors`), never mirrored here:
+
+- an embedding store with ``metrics_snapshot()`` (see `StoreCollector`),
+- a source's consumer lag (a callable returning ``{partition: records}``),
+- the prequential window's run totals, process memory, checkpoint/merge ages.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter as _Tally
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from stream_ctr.telemetry import collectors as mc
+from stream_ctr.telemetry.catalogue import (CATALOGUE, MetricSpec, NAMESPACE, PHASES, PHASE_BUCKETS_S, RATE_STALE_S, SKIP_NONFINITE)
+
+
+def _make(s: MetricSpec, registry: CollectorRegistry) -> Any:
+    name = s.name[:-len("_total")] if s.kind == "counter" else s.name
+    if s.kind == "counter":
+        return Counter(name, s.help, s.labels, registry=registry)
+    if s.kind == "gauge":
+        return Gauge(name, s.help, s.labels, registry=registry)
+    return Histogram(name, s.help, s.labels, registry=registry, buckets=PHASE_BUCKETS_S)
+
+
+class TrainerMetrics:
+    """The metrics one trainer rank updates directly, and the hooks that feed them.
+
+    ``TrainerMetrics(registry, rank)``, then per chunk read `observe_read`,
+    per trained batch `observe_batch`, per checkpoint `observe_checkpoint`,
+    per merge `observe_merge`. `watch_*` register scrape-time collectors for
+    values other components own. `snapshot()` is what the run-directory time
+    series records.
+    """
+
+    def __init__(self, registry: CollectorRegistry, rank: int = 0,
+                 clock: Callable[[], float] = time.time,
+                 reasons: Iterable[str] = (), auc_baseline: float = 0.0) -> None:
+        self.registry, self.rank, self.clock = registry, str(rank), clock
+        self._m = {s.name: _make(s, registry) for s in CATALOGUE if s.name in _DIRECT}
+        self.started_s = clock()
+        self.last_checkpoint_s: float | None = None
+        self.last_merge_s: float | None = None
+        self.newest_event_s: float | None = None
+        self.records_trained = 0
+        self._rate_mark = (self.started_s, 0)
+        self.samples_per_s = 0.0
+        self.accuracy: dict[str, float] = {}
+        self.skipped_batches = 0
+        self.rejected = 0
+        self._store = mc.StoreCollector(self.rank)
+        self._source = mc.SourceCollector(self.rank)
+        self._run = mc.RunCollector(self)
+        for c in (self._store, self._source, self._run, mc.ProcessCollector(self.rank)):
+            registry.register(c)
+        self._init_series(reasons, auc_baseline)
+
+    def _metric(self, short: str) -> Any:
+        return self._m[f"{NAMESPACE}_{short}"]
+
+    def _init_series(self, reasons: Iterable[str], auc_baseline: float) -> None:
+        """Create every fixed-label child at 0, so panels and alerts see 0, not nothing."""
+        r = self.rank
+        for short in ("records_trained_total", "batches_trained_total", "embedding_rows_clipped_total",
+                      "checkpoints_total", "merges_total", "merge_bytes_total"):
+            self._metric(short).labels(rank=r)
+        self._metric("batches_skipped_total").labels(rank=r, reason=SKIP_NONFINITE)
+        for reason in reasons:
+            self._metric("records_rejected_total").labels(rank=r, reason=reason)
+        for phase in PHASES:
+            self._metric("step_phase_seconds").labels(rank=r, phase=phase)
+        # Read at scrape time: a trainer that stops (a hang, an idle stream) must not keep
+        # showing its last rate.
+        self._metric("samples_per_second").labels(rank=r).set_function(self.current_samples_per_s)
+        self._metric("start_time_seconds").labels(rank=r).set(self.started_s)
+        if auc_baseline > 0:
+            self._metric("prequential_auc_baseline").labels(rank=r).set(auc_baseline)
+
+    # -- providers read at scrape time ---------------------------------------------------
+
+    def watch_store(self, store: object) -> None:
+        """Report the embedding store's tiers (see `metrics_collectors.StoreCollector`)."""
+        self._store.store = store
+        if not hasattr(store, "metrics_snapshot"):
+            self._store._rows_seen = len(store)  # type: ignore[arg-type]
+
+    def watch_source(self, lag: Callable[[], Mapping[str, float]] | None = None,
+                     source: object | None = None) -> None:
+        """Consumer lag ``{partition: records}`` from `lag()`, and/or a source (or a function
+        returning the current one) read for errors and state (see `SourceCollector`)."""
+        self._source.lag_fn, self._source.source = lag, source
+
+    def watch_window(self, window: object) -> None:
+        """Totals of a `PrequentialWindow` (read at scrape time), counted from now: a
+        resumed window holds the whole run's totals, and a counter that started there
+        would drop below its last scrape after a crash (Prometheus takes that for a
+        reset and counts the run's totals again as new increase)."""
+        self._run.window = window
+        self._run.baseline = {attr: float(getattr(window, attr)) for attr, _ in self._run.TOTALS}
+
+    # -- events from the train loop ------------------------------------------------------
+
+    def observe_read(self, partitions: tuple[str, ...], partition_index: np.ndarray,
+                     rejected: list | None = None, seconds: float = 0.0) -> None:
+        """One chunk read from the source: decoded rows' partition indices, rejected records."""
+        consumed = self._metric("records_consumed_total")
+        if len(partition_index):
+            counts = np.bincount(partition_index, minlength=len(partitions))
+            for name, n in zip(partitions, counts.tolist()):
+                if n:
+                    consumed.labels(rank=self.rank, partition=name).inc(n)
+        if rejected:
+            for name, n in _Tally(r.partition for r in rejected).items():
+                consumed.labels(rank=self.rank, partition=name).inc(n)
+            self.observe_rejected(_Tally(r.reason for r in rejected))
+        if seconds:
+            self.observe_phase("decode", seconds)
+
+    def observe_rejected(self, counts: Mapping[str, int]) -> None:
+        """Rejected records by reason (they went to the dead-letter sink)."""
+        for reason, n in counts.items():
+            self._metric("records_rejected_total").labels(rank=self.rank, reason=reason).inc(n)
+            self.rejected += n
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        self._metric("step_phase_seconds").labels(rank=self.rank, phase=phase).observe(seconds)
+
+    def observe_batch(self, n_records: int, skipped: bool, phase_s: Mapping[str, float],
+                      rows_clipped: int = 0, event_time_ms: np.ndarray | None = None,
+                      accuracy: Mapping[str, float] | None = None, rows_touched: int = 0) -> None:
+        """One micro-batch stepped: its size, whether its update was skipped, phase
+        timings, CowClip's clipped rows, its event times, the window accuracy after
+        it, and its working-set size (unique keys)."""
+        r = self.rank
+        self._metric("batches_trained_total").labels(rank=r).inc()
+        if skipped:
+            self._metric("batches_skipped_total").labels(rank=r, reason=SKIP_NONFINITE).inc()
+            self.skipped_batches += 1
+        self._metric("records_trained_total").labels(rank=r).inc(n_records)
+        self.records_trained += n_records
+        if rows_clipped:
+            self._metric("embedding_rows_clipped_total").labels(rank=r).inc(rows_clipped)
+        for phase, seconds in phase_s.items():
+            self.observe_phase(phase, seconds)
+        if event_time_ms is not None and len(event_time_ms):
+            newest = int(event_time_ms.max())
+            if newest >= 0:
+                self.newest_event_s = max(self.newest_event_s or 0.0, newest / 1000.0)
+                self._metric("last_trained_event_timestamp_seconds").labels(rank=r).set(self.newest_event_s)
+        if accuracy is not None:
+            self.observe_accuracy(accuracy)
+        self._store.after_batch(rows_touched)
+        self._update_rate()
+
+    def observe_accuracy(self, acc: Mapping[str, float]) -> None:
+        """Sliding-window accuracy: keys auc, logloss, calibration, records (NaN skipped)."""
+        self.accuracy = dict(acc)
+        for key, short in (("auc", "prequential_auc"), ("logloss", "prequential_logloss"),
+                           ("calibration", "prequential_calibration"),
+                           ("records", "prequential_window_records")):
+            value = acc.get(key)
+            if value is not None and np.isfinite(value):
+                self._metric(short).labels(rank=self.rank).set(value)
+
+    def _update_rate(self) -> None:
+        now = self.clock()
+        t0, n0 = self._rate_mark
+        if now - t0 >= 1.0:
+            self.samples_per_s = (self.records_trained - n0) / (now - t0)
+            self._rate_mark = (now, self.records_trained)
+
+    def current_samples_per_s(self) -> float:
+        """The rate over the last interval of at least 1 s that batches closed; once no
+        batch has come for RATE_STALE_S, the mean since the last mark (falls towards 0)."""
+        now = self.clock()
+        t0, n0 = self._rate_mark
+        if now - t0 > RATE_STALE_S:
+            return (self.records_trained - n0) / (now - t0)
+        return self.samples_per_s
+
+    def resumed_from_checkpoint(self, saved_at_s: float) -> None:
+        """The run resumed a checkpoint written at `saved_at_s` (this clock): its age
+        counts from then, not from the process start (a trainer that keeps crashing
+        before it checkpoints must still trip the checkpoint-age alert)."""
+        self.last_checkpoint_s = saved_at_s
+        self._metric("last_checkpoint_timestamp_seconds").labels(rank=self.rank).set(saved_at_s)
+
+    def observe_checkpoint(self, seconds: float, nbytes: int = 0) -> None:
+        """A checkpoint became durable after `seconds`; it holds `nbytes` on disk."""
+        r = self.rank
+        self.last_checkpoint_s = self.clock()
+        self._metric("checkpoints_total").labels(rank=r).inc()
+        self._metric("last_checkpoint_timestamp_seconds").labels(rank=r).set(self.last_checkpoint_s)
+        self._metric("last_checkpoint_bytes").labels(rank=r).set(nbytes)
+        self.observe_phase("checkpoint", seconds)
+
+    def observe_merge(self, seconds: float, nbytes: int) -> None:
+        """A k-step merge of the dense replicas finished; this rank sent/received `nbytes`."""
+        r = self.rank
+        self.last_merge_s = self.clock()
+        self._metric("merges_total").labels(rank=r).inc()
+        self._metric("merge_bytes_total").labels(rank=r).inc(nbytes)
+        self._metric("last_merge_timestamp_seconds").labels(rank=r).set(self.last_merge_s)
+        self._metric("last_merge_bytes").labels(rank=r).set(nbytes)
+        self.observe_phase("merge", seconds)
+
+    # -- for the run-directory time series -----------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Current values for one time-series record (training thread; cheap)."""
+        now = self.clock()
+        tiers = self._store.tier_stats()
+        lag = self._source.lag()
+        return {
+            "t": round(now, 3), "records": self.records_trained, "samples_per_s": self.samples_per_s,
+            "auc": self.accuracy.get("auc"), "logloss": self.accuracy.get("logloss"),
+            "calibration": self.accuracy.get("calibration"),
+            "rejected": self.rejected, "skipped_batches": self.skipped_batches,
+            "lag_records": float(sum(lag.values())) if lag else None,
+            "freshness_s": now - self.newest_event_s if self.newest_event_s is not None else None,
+            "tiers": {t: {k: s.get(k) for k in ("lookups", "hits", "rows", "bytes")}
+                      for t, s in tiers.items()},
+        }
+
+
+# Metrics set directly by TrainerMetrics; the rest come from the collectors.
+_DIRECT = frozenset(f"{NAMESPACE}_{n}" for n in (
+    "records_consumed_total", "records_trained_total", "records_rejected_total",
+    "batches_trained_total", "batches_skipped_total", "samples_per_second", "step_phase_seconds",
+    "embedding_rows_clipped_total", "prequential_auc", "prequential_logloss",
+    "prequential_calibration", "prequential_window_records", "prequential_auc_baseline",
+    "last_trained_event_timestamp_seconds", "checkpoints_total",
+    "last_checkpoint_timestamp_seconds", "last_checkpoint_bytes", "merges_total",
+    "merge_bytes_total", "last_merge_timestamp_seconds", "last_merge_bytes", "start_time_seconds"))
+
+
+class MetricsServer:
+    """The HTTP endpoint Prometheus scrapes (`/metrics`), on a daemon thread."""
+
+    def __init__(self, registry: CollectorRegistry, port: int, addr: str = "127.0.0.1") -> None:
+        from prometheus_client import start_http_server
+        try:
+            self._server, self._thread = start_http_server(port, addr=addr, registry=registry)
+        except OSError as e:
+            from stream_ctr.config import ConfigError
+            raise ConfigError(f"metrics.port: cannot serve metrics on {addr}:{port} ({e.strerror or e}); "
+                              "is another trainer using it? pick another --metrics-port "
+                              "(0 turns the endpoint off)") from None
+        self.addr, self.port = addr, self._server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,303 @@
+"""`stream-ctr report RUN_DIR`: PNG plots and a one-page HTML summary of a run.
+
+Reads the time series the trainer keeps in its run directory
+(`stream_ctr.telemetry.timeseries`: ``timeseries.jsonl`` and its rotated segments
+``timeseries.jsonl.<n>``, one set per rank) and writes into ``RUN_DIR/report/``:
+
+- ``auc_logloss.png``  prequential AUC and logloss (sliding window) over records trained
+- ``throughput.png``   records trained per second over time
+- ``lag.png``          consumer lag (records not yet trained) over time
+- ``tier_hit_ratio.png`` embedding hit ratio per tier over records trained
+- ``index.html``       the run's summary table with the four plots
+
+A resumed run continues the same files; restarts are drawn as dashed lines.
+
+Runs of weeks hold millions of interval records, more than a plot can show or
+memory should hold. The files are streamed line by line, segments oldest
+first, and each rank keeps at most `MAX_POINTS` intervals evenly spaced in
+interval count: every interval while they fit, then every 2nd, 4th, ... (when
+the kept points pass the bound, every other one is dropped and the stride
+doubles), plus the last interval read. Sampling, not averaging: a spike
+between two kept intervals does not show. The summary's numbers (records
+trained, the end record, the tiers seen) come from every record read.
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from stream_ctr.config import ConfigError
+from stream_ctr.telemetry.timeseries import read_timeseries, timeseries_files
+
+# Intervals kept per rank for plotting: several per pixel of an 8-inch plot at 110 dpi.
+MAX_POINTS = 4000
+
+
+@dataclass
+class RankSeries:
+    """One rank's time series as the report holds it: `intervals` is an evenly
+    spaced sample (every `stride`-th interval read, then the last one); the
+    other fields account for every record read."""
+    rank: int
+    intervals: list[dict[str, Any]] = field(default_factory=list)
+    starts: list[dict[str, Any]] = field(default_factory=list)
+    end: dict[str, Any] | None = None
+    intervals_read: int = 0
+    stride: int = 1
+    last: dict[str, Any] | None = None
+    records_max: float = -math.inf         # most records trained in any interval
+    tiers: set[str] = field(default_factory=set)
+
+    def add_interval(self, rec: dict[str, Any], max_points: int) -> None:
+        """Count `rec` and keep it when it falls on the stride."""
+        if self.intervals_read % self.stride == 0:
+            self.intervals.append(rec)
+            if len(self.intervals) > max_points:
+                # the kept intervals are those numbered 0, stride, 2*stride ...; dropping
+                # every other one leaves 0, 2*stride ..., still evenly spaced
+                del self.intervals[1::2]
+                self.stride *= 2
+        self.intervals_read += 1
+        self.last = rec
+        records = _num(rec.get("records"))
+        if math.isfinite(records):
+            self.records_max = max(self.records_max, records)
+        self.tiers.update(rec.get("hit_ratio") or {})
+
+    def finish(self) -> None:
+        """The plots and the summary end at the last interval read, kept or not."""
+        if self.last is not None and (not self.intervals or self.intervals[-1] is not self.last):
+            self.intervals.append(self.last)
+
+    def column(self, key: str) -> list[float]:
+        return [_num(r.get(key)) for r in self.intervals]
+
+    def minutes(self) -> list[float]:
+        t0 = self.starts[0]["t"] if self.starts else (self.intervals[0]["t"] if self.intervals else 0)
+        return [(r["t"] - t0) / 60.0 for r in self.intervals]
+
+
+@dataclass
+class Report:
+    html: Path
+    plots: list[Path]
+    records: int
+
+
+def _num(x: Any) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else math.nan
+
+
+def find_run_dir(path: str | Path) -> Path:
+    """The run directory holding ``timeseries.jsonl``: `path` itself, or the run a
+    checkpoint directory / checkpoint root belongs to."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"report: no such directory: {p}")
+    candidates = [p, p.parent, p.parent.parent]
+    state = p / "state.json"
+    if state.exists():      # a checkpoint records the run directory it was written for
+        try:
+            run_dir = json.loads(state.read_text())["config"]["train"]["run_dir"]
+            candidates.append(Path(run_dir))
+        except (OSError, KeyError, TypeError, json.JSONDecodeError):
+            pass
+    for c in candidates:
+        if 0 in timeseries_files(c):    # rank 0's file, or only its segments (crash mid-rotation)
+            return c
+    raise ConfigError(f"report: no timeseries.jsonl in {p} or the run it belongs to; the trainer "
+                      "writes it while training unless metrics.timeseries_every_s is 0")
+
+
+def load_series(run_dir: Path, max_points: int = MAX_POINTS) -> list[RankSeries]:
+    """Every rank's series, its files streamed in the order written, at most
+    `max_points` (+ the last) intervals kept per rank; ranks in order."""
+    out = []
+    for rank, paths in timeseries_files(run_dir).items():
+        s = RankSeries(rank)
+        start_times: set[Any] = set()
+        for rec in _read_files(paths):
+            kind = rec.get("kind")
+            if kind == "interval" and "t" in rec:
+                s.add_interval(rec, max_points)
+            elif kind == "start":
+                if rec.get("t") in start_times:
+                    continue        # the copy a rotation puts at the head of a new file
+                start_times.add(rec.get("t"))
+                s.starts.append(rec)
+                s.end = None        # an end belongs to the invocation it closed, not a later one
+            elif kind == "end":
+                s.end = rec
+        s.finish()
+        out.append(s)
+    return out
+
+
+def _read_files(paths: list[Path]) -> Iterator[dict[str, Any]]:
+    for path in paths:
+        try:
+            yield from read_timeseries(path)
+        except FileNotFoundError:
+            continue        # a live run rotated it away (deleted) since the listing
+
+
+def _axes_note(ax: Any, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")
+
+
+def _restarts(ax: Any, s: RankSeries, x_key: str) -> None:
+    """Dashed vertical lines where a resumed invocation started."""
+    for start in s.starts[1:]:
+        if x_key == "records":
+            x = _num(start.get("records"))
+        else:
+            x = (start["t"] - s.starts[0]["t"]) / 60.0
+        if math.isfinite(x):
+            ax.axvline(x, color="0.6", linestyle="--", linewidth=0.8)
+
+
+def _line(ax: Any, series: list[RankSeries], x_key: str, y_key: str, label: str,
+          sub: str | None = None) -> bool:
+    drew = False
+    for s in series:
+        xs = s.column("records") if x_key == "records" else s.minutes()
+        ys = [_num((r.get(y_key) or {}).get(sub)) for r in s.intervals] if sub else s.column(y_key)
+        pts = [(x, y) for x, y in zip(xs, ys) if math.isfinite(x) and math.isfinite(y)]
+        if pts:
+            name = f"{label} (rank {s.rank})" if len(series) > 1 else label
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, linewidth=1.4)
+            _restarts(ax, s, x_key)
+            drew = True
+    return drew
+
+
+def _tiers(series: list[RankSeries]) -> list[str]:
+    names = {t for s in series for t in s.tiers}
+    order = {"device": 0, "host": 1, "disk": 2}
+    return sorted(names, key=lambda t: (order.get(t, 9), t))
+
+
+def plot_all(series: list[RankSeries], out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        paths.append(out / name)
+
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    fig.suptitle("Prequential AUC and logloss (sliding window) over records trained")
+    if not _line(a1, series, "records", "auc", "AUC"):
+        _axes_note(a1, "no AUC yet (window needs both classes)")
+    if not _line(a2, series, "records", "logloss", "logloss"):
+        _axes_note(a2, "no logloss yet")
+    a1.set_ylabel("AUC")
+    a2.set_ylabel("logloss (nats)")
+    a2.set_xlabel("records trained")
+    save(fig, "auc_logloss.png")
+
+    for name, title, column, unit, empty in (
+            ("throughput.png", "Throughput: records trained per second", "samples_per_s", "records / s",
+             "no throughput samples"),
+            ("lag.png", "Consumer lag: records not yet trained", "lag_records", "records",
+             "no lag reported by the source")):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.set_title(title)
+        if not _line(ax, series, "time", column, unit):
+            _axes_note(ax, empty)
+        ax.set_xlabel("minutes since the run started")
+        ax.set_ylabel(unit)
+        ax.set_ylim(bottom=0)
+        save(fig, name)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.set_title("Embedding hit ratio per tier")
+    drew = False
+    for tier in _tiers(series):
+        drew |= _line(ax, series, "records", "hit_ratio", tier, sub=tier)
+    if drew:
+        ax.legend(loc="lower right")
+    else:
+        _axes_note(ax, "no tier statistics reported by the store")
+    ax.set_xlabel("records trained")
+    ax.set_ylabel("hits / lookups (per interval)")
+    ax.set_ylim(0, 1.02)
+    save(fig, "tier_hit_ratio.png")
+    return paths
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, float):
+        return "-" if not math.isfinite(x) else (f"{x:,.4f}" if abs(x) < 100 else f"{x:,.0f}")
+    if isinstance(x, int) and not isinstance(x, bool):
+        return f"{x:,}"
+    return "-" if x is None else str(x)
+
+
+SUMMARY_KEYS = (("records_trained_total", "records trained (run)"),
+                ("records_trained", "records trained (last invocation)"),
+                ("records_rejected", "records rejected"), ("skipped_batches", "batches skipped (NaN/inf)"),
+                ("seconds", "seconds (last invocation)"), ("samples_per_s", "records / s"),
+                ("window_auc", "prequential AUC (window)"), ("window_logloss", "prequential logloss"),
+                ("window_calibration", "calibration (window)"), ("test_auc", "held-out AUC"),
+                ("test_logloss", "held-out logloss"), ("checkpoint", "last checkpoint"))
+
+
+def render_html(run_dir: Path, series: list[RankSeries], plots: list[Path]) -> str:
+    main = series[0]
+    first = main.starts[0] if main.starts else {}
+    last = main.intervals[-1] if main.intervals else {}
+    end = main.end or {}
+    rows = [("run directory", str(run_dir)), ("model", first.get("model")),
+            ("source", first.get("source")), ("batch size", first.get("batch_size")),
+            ("invocations", len(main.starts)), ("ranks", len(series))]
+    rows += [(label, end[key]) for key, label in SUMMARY_KEYS if key in end]
+    if not end:
+        rows += [("records trained", last.get("records")), ("prequential AUC", last.get("auc")),
+                 ("status", "no end record: the run is still going or crashed")]
+    table = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>"
+                      for k, v in rows)
+    imgs = "\n".join(f'<figure><img src="{html.escape(p.name)}" alt="{html.escape(p.stem)}"></figure>'
+                     for p in plots)
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>stream_ctr run report: {html.escape(run_dir.name)}</title>
+<style>
+body {{ font-family: sans-serif; margin: 1.5em; color: #222; }}
+table {{ border-collapse: collapse; margin-bottom: 1em; }}
+th, td {{ text-align: left; padding: 2px 12px; border-bottom: 1px solid #ddd; }}
+.plots {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(560px, 1fr)); gap: 8px; }}
+img {{ max-width: 100%; }} figure {{ margin: 0; }}
+</style></head><body>
+<h1>stream_ctr run report</h1>
+<table>
+{table}
+</table>
+<div class="plots">
+{imgs}
+</div>
+</body></html>
+"""
+
+
+def write_report(path: str | Path, out: str | Path | None = None) -> Report:
+    """Write the plots and ``index.html`` for the run at `path`; returns where."""
+    run_dir = find_run_dir(path)
+    series = load_series(run_dir)
+    if not series or not any(s.intervals for s in series):
+        raise ConfigError(f"report: {run_dir}/timeseries.jsonl has no interval records yet")
+    out_dir = Path(out) if out else run_dir / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = plot_all(series, out_dir)
+    index = out_dir / "index.html"
+    index.write_text(render_html(run_dir, series, plots), encoding="utf-8")
+    records = int(max((s.records_max for s in series if math.isfinite(s.records_max)), default=0))
+    return Report(index, plots, records)

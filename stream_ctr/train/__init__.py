@@ -1,0 +1,13 @@
+"""One training run: source -> micro-batches -> prequential score + step -> checkpoint.
+
+    loop        `train()`, the run in one screen, and checkpoint evaluation
+    batches     file micro-batches, the look-ahead batch, the stop signal
+    batcher     rows -> batches of the configured size
+    streaming   Kafka sources: latency-bounded batches, dead letters
+    trainer     the model, its store and both optimizers; one step
+    checkpoint  atomic, checksummed checkpoints with the source position
+    evaluation  AUC, logloss, calibration, the prequential window
+
+May import store, telemetry, models, config, connectors and ops; never
+distributed, bench or cli.
+"""

@@ -1,0 +1,122 @@
+"""Where a run's batches come from, and how it is told to stop.
+
+`micro_batches` cuts a file source into full batches (dead-lettering its bad
+lines in step); `LookAhead` holds the next batch so a tiered store can prefetch
+its rows; `StopSignal` turns SIGTERM / Ctrl-C into a request to finish the
+batch, checkpoint and exit. Kafka sources have their own batcher
+(`stream_ctr.train.streaming`).
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Iterator
+
+from stream_ctr.connectors.batch import Batch, Rejected
+from stream_ctr.connectors.dead_letter import DeadLetterFile
+from stream_ctr.connectors.files import FileSource
+from stream_ctr.connectors.kafka.positions import filter_partitions
+from stream_ctr.telemetry.monitor import RunMonitor
+from stream_ctr.train.batcher import MicroBatcher
+
+
+def micro_batches(source: FileSource, batch_size: int, dead_letter: DeadLetterFile,
+                  limit_records: int = -1, monitor: RunMonitor | None = None) -> Iterator[Batch]:
+    """Full batches from `source` (the last one may be partial); at most
+    `limit_records` rows when it is >= 0. Each chunk read is reported to `monitor`.
+
+    A rejected line is dead-lettered just before the first batch after it is
+    yielded (or at the end of the file), not when its chunk is read: a run that
+    stops at a limit or a signal leaves the lines after its resume point for the
+    resumed run, bad ones included, so none is dead-lettered twice (with a tiered
+    store's look-ahead, the bad lines before the batch read ahead may be)."""
+    batcher = MicroBatcher(batch_size)
+    emitted = 0
+    waiting: list[Rejected] = []        # read, in line order, not dead-lettered yet
+
+    def dead_letter_up_to(batch: Batch) -> None:
+        nonlocal waiting
+        last = int(batch.offset[-1]) if len(batch) else -1
+        due = [r for r in waiting if r.offset < last]
+        waiting = waiting[len(due):]
+        dead_letter.write(due)
+
+    while not source.exhausted:
+        t0 = time.perf_counter()
+        chunk, rejected = source.read()
+        if monitor is not None:
+            monitor.on_read(chunk, rejected, time.perf_counter() - t0)
+        waiting += rejected
+        for batch in batcher.add(chunk):
+            if 0 <= limit_records <= emitted + len(batch):
+                batch = batch.slice(0, limit_records - emitted)
+                dead_letter_up_to(batch)
+                yield batch
+                return
+            emitted += len(batch)
+            dead_letter_up_to(batch)
+            yield batch
+    rest = batcher.flush()
+    if rest is not None and 0 <= limit_records < emitted + len(rest):
+        rest = rest.slice(0, limit_records - emitted)      # the limit cuts the file's tail
+        dead_letter_up_to(rest)
+    else:
+        dead_letter.write(waiting)          # every line of the file was read: all are due
+    if rest is not None:
+        yield rest
+
+
+class LookAhead:
+    """(batch, the one after it or None) pairs from `batches`; with `enabled`, one batch
+    is read ahead (a tiered store prefetches its rows while the current one trains).
+
+    The batch held ahead is read but not trained, so a rebalance during the read
+    after it must drop its rows of the revoked partitions (`discard`, called by the
+    revoke hook) -- even if the same partitions come straight back to this member:
+    they then continue at their trained position, and those rows are read again.
+    """
+
+    def __init__(self, batches: Iterator[Batch], enabled: bool) -> None:
+        self._batches, self._enabled = batches, enabled
+        self._held: Batch | None = None
+
+    def __iter__(self) -> Iterator[tuple[Batch, Batch | None]]:
+        if not self._enabled:
+            for batch in self._batches:
+                yield batch, None
+            return
+        self._held = next(self._batches, None)
+        for upcoming in self._batches:          # a read: the revoke hook may discard from _held
+            current, self._held = self._held, upcoming
+            yield current, upcoming
+        if self._held is not None:
+            current, self._held = self._held, None
+            yield current, None
+
+    def discard(self, partitions: list[str]) -> None:
+        if self._held is not None:
+            self._held = filter_partitions(self._held, set(partitions))
+
+
+class StopSignal:
+    """SIGTERM / Ctrl-C ask the loop to finish its batch, checkpoint and exit."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self.requested:              # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

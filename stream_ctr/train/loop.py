@@ -1,0 +1,354 @@
+"""The training run: source -> micro-batches -> prequential score + step -> checkpoint.
+
+`train()` is the whole story of a run in one screen; every phase is one call.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import torch
+
+from stream_ctr.connectors.batch import Batch
+from stream_ctr.connectors.files import FileSource, count_records, detect_format
+from stream_ctr.train.checkpoint import CheckpointState, load_checkpoint, resolve_checkpoint, save_checkpoint
+from stream_ctr.config import Config, ConfigError, validate
+from stream_ctr.train.evaluation import Accuracy, PrequentialWindow, accuracy
+from stream_ctr.telemetry.monitor import RunMonitor
+from stream_ctr.telemetry.progress import Progress
+from stream_ctr.train.batches import LookAhead, StopSignal, micro_batches
+from stream_ctr.connectors.kafka.options import KafkaUrl
+from stream_ctr.train.streaming import (StreamBatcher, open_dead_letter, source_format,
+                                  stream_batches, stream_url)
+from stream_ctr.store import resume_store_config
+from stream_ctr.train.trainer import Trainer
+
+if TYPE_CHECKING:     # kafka-python is imported only by runs that read a topic
+    from stream_ctr.connectors.kafka.source import KafkaSource
+
+
+@dataclass
+class RunSummary:
+    records_trained: int = 0            # in this invocation
+    records_trained_total: int = 0      # since the first checkpoint of the run
+    records_rejected: int = 0
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    batches: int = 0
+    skipped_batches: int = 0
+    # CowClip diagnostics (reference/cowclip.md 6.10): share of the embedding
+    # rows present in a batch whose gradient was clipped, and at the norm floor.
+    clipped_row_fraction: float = 0.0
+    floor_row_fraction: float = 0.0
+    seconds: float = 0.0
+    samples_per_s: float = 0.0
+    window: dict[str, float] = field(default_factory=dict)
+    test: dict[str, float] = field(default_factory=dict)
+    checkpoint: str = ""
+    dead_letter_path: str = ""
+    source_stats: dict = field(default_factory=dict)   # Kafka: messages, outages, lag, ...
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k not in ("window", "test")}
+        out.update({f"window_{k}": v for k, v in self.window.items()})
+        out.update({f"test_{k}": v for k, v in self.test.items()})
+        return out
+
+
+def configure_torch(cfg: Config) -> None:
+    # Gradients of saturated units underflow to denormals, which x86 cores
+    # process up to 100x slower (measured: a 4x slower DeepFM step); flush them.
+    torch.set_flush_denormal(True)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def revoke_hook(run: "Run"):
+    """The KafkaSource's `on_revoke`: runs while the trainer is between steps.
+
+    Rows of the revoked partitions that were read but not trained are dropped
+    (the partitions' next owner reads them; if that is this member again, it
+    continues at the trained position and reads them again); then, unless the
+    membership was lost (no commit is possible then), the model is checkpointed
+    so that what was trained from those partitions is durable before the source
+    commits their offsets for the next owner.  The checkpoint keeps the revoked
+    partitions' positions, marked given up (see `PositionBook.released`).
+    """
+    def on_revoke(partitions: list[str], lost: bool) -> None:
+        run.batcher.discard(partitions)
+        if run.lookahead is not None:
+            run.lookahead.discard(partitions)
+        run.positions = run.source.trained_positions
+        if not lost:
+            run.checkpoint(commit=False)        # the source commits once this returns
+    return on_revoke
+
+
+def open_kafka_source(run: "Run", url: KafkaUrl) -> "KafkaSource":
+    from stream_ctr.connectors.kafka.source import KafkaSource
+    return KafkaSource(url, positions=run.positions, on_revoke=revoke_hook(run),
+                       chunk_records=run.cfg.data.chunk_records)
+
+
+def resume_data_config(cfg: Config, saved: Config) -> None:
+    """What a resumed run reads: the checkpoint's source and holdout unless the command
+    names others. A resume that names none goes on with the same file and keeps its
+    held-out lines held out (it used to fall back to the bundled sample, and to
+    train the held-out lines); naming another file continues training on it (a
+    new day of logs), from its first line."""
+    default = Config().data
+    for name in ("source", "holdout_fraction"):
+        if getattr(cfg.data, name) == getattr(default, name):     # not named by the command
+            setattr(cfg.data, name, getattr(saved.data, name))
+
+
+class Run:
+    """What one `train` invocation holds: trainer, source plan, window, counters."""
+
+    def __init__(self, cfg: Config, resume: str | None) -> None:
+        state = load_checkpoint(resume) if resume else None
+        if state is not None:   # the model and optimizer settings are the checkpoint's
+            saved = Config.from_dict(state.config, origin=f"{resume} (checkpoint config)")
+            cfg.model, cfg.optim = saved.model, saved.optim
+            cfg.store = resume_store_config(cfg.store, saved.store)   # where its rows live
+            resume_data_config(cfg, saved)
+        validate(cfg)
+        configure_torch(cfg)
+        self.cfg = cfg
+        self.stream = stream_url(cfg)         # a kafka:// source, else None (a file)
+        self.stream_ended = False
+        if self.stream is not None:           # one long epoch: nothing to count or hold out
+            self.fmt, self.path, self.n_total, self.train_end = source_format(cfg), None, 0, 0
+        else:
+            self.fmt, self.path = detect_format(cfg.data.source)
+            # Hold out the last fraction of the file, by data-line offset.
+            self.n_total = count_records(self.path, self.fmt)
+            self.train_end = self.n_total - int(round(self.n_total * cfg.data.holdout_fraction))
+        if state is not None:
+            saved_fmt = source_format(saved)
+            if saved_fmt.name != self.fmt.name:
+                raise ConfigError(f"--resume {resume}: the checkpoint's model was trained on "
+                                  f"{saved_fmt.name} records, {cfg.data.source} holds {self.fmt.name}: "
+                                  "their features do not match; train it into a new --run-dir")
+            done = state.positions.get(f"file:{self.path.name}", 0) if self.path else 0
+            if done > self.train_end:
+                raise ConfigError(
+                    f"--resume {resume}: the run already trained {self.path.name} up to line "
+                    f"{done:,}, past where data.holdout_fraction = {cfg.data.holdout_fraction:g} "
+                    f"starts the held-out lines ({self.train_end:,}); resume with the run's "
+                    f"holdout ({saved.data.holdout_fraction:g}) or train into a new --run-dir")
+        self.trainer = Trainer(cfg, self.fmt.n_keys, self.fmt.n_dense)
+        self.window = PrequentialWindow(cfg.train.eval_window_records)
+        self.positions: dict[str, int] = {}
+        self.epoch, self.total_before = 0, 0
+        if state is not None:
+            self.trainer.load_state_tensors(state.tensors["trainer"])
+            self.window.load_state_dict({k: (v.numpy() if torch.is_tensor(v) else v)
+                                         for k, v in state.tensors["window"].items()})
+            self.positions, self.epoch = state.positions, state.extra.get("epoch", 0)
+            self.total_before = state.records_trained
+        run_dir = Path(cfg.train.run_dir)
+        self.ckpt_dir = Path(cfg.train.checkpoint_dir or run_dir / "checkpoints")
+        self.dead_letter = open_dead_letter(cfg, self.stream)     # a file, or the dead-letter topic
+        # A stream's batcher lives in the run: a rebalance drops its rows of revoked partitions.
+        self.batcher = StreamBatcher(cfg.data.batch_size) if self.stream is not None else None
+        self.lookahead: LookAhead | None = None      # ... and so does the batch read ahead
+        self.summary = RunSummary(dead_letter_path=str(self.dead_letter.path))
+        self.remaining = cfg.data.limit_records or -1      # -1: no limit
+        self.rows_touched = self.rows_clipped = self.rows_at_floor = 0
+        self.source: FileSource | None = None
+        # Prometheus metrics (served if metrics.port) and RUN_DIR/timeseries.jsonl.
+        self.monitor = RunMonitor(cfg, run_dir, self.total_before)
+        self.monitor.watch(self.trainer.store, self.window, lag=self.source_lag,
+                           source=lambda: self.source)
+        if state is not None:       # the checkpoint's age counts from when it was written
+            manifest = resolve_checkpoint(resume) / "manifest.json"
+            self.monitor.metrics.resumed_from_checkpoint(manifest.stat().st_mtime)
+
+    def source_lag(self) -> dict[str, int]:
+        """Consumer lag of the file source: records of the training range not yet trained."""
+        src = self.source
+        if src is None:
+            return {}
+        if self.stream is not None:          # Kafka: counted per partition by the source
+            return src.lag()
+        if self.epoch >= self.cfg.data.epochs:        # every epoch trained: nothing left
+            return {src.partition: 0}
+        return {src.partition: max(self.train_end - self.positions.get(src.partition, 0), 0)}
+
+    @property
+    def limit_reached(self) -> bool:
+        return self.remaining == 0
+
+    def open_source(self):
+        if self.stream is not None:          # opened once, closed when the run exits: one long epoch
+            if self.source is None:
+                self.source = open_kafka_source(self, self.stream)
+            return contextlib.nullcontext(self.source)
+        start = self.positions.get(f"file:{self.path.name}", 0)
+        self.source = FileSource(self.path, self.fmt, start_offset=start,
+                                 chunk_records=self.cfg.data.chunk_records, stop_offset=self.train_end)
+        return self.source
+
+    def record(self, batch: Batch, result) -> None:
+        """Prequential scores into the window; the batch's end becomes the resume point."""
+        self.window.add(result.probs.cpu().numpy(), batch.labels)
+        if self.stream is not None:          # packed messages may straddle batches: the source folds
+            self.positions = self.source.trained(batch)
+        else:
+            self.positions.update(batch.positions_after())
+        self.summary.records_trained += len(batch)
+        self.summary.batches += 1
+        self.summary.skipped_batches += int(result.skipped)
+        self.rows_touched += result.rows_touched
+        self.rows_clipped += int(result.rows_clipped)
+        self.rows_at_floor += int(result.rows_at_floor)
+        if self.remaining > 0:
+            self.remaining -= len(batch)
+
+    def end_epoch(self, source: FileSource) -> None:
+        # The epoch is over only when every record of it was trained, not
+        # merely read: a limit may have stopped the loop with rows pending.
+        if self.stream is not None:          # a stream ends (idle), it never starts over
+            self.stream_ended = source.exhausted
+        elif source.exhausted and not self.limit_reached:
+            self.epoch, self.positions = self.epoch + 1, {}
+
+    @property
+    def wants_more(self) -> bool:
+        if self.stream is not None:
+            return not self.limit_reached and not self.stream_ended
+        return self.epoch < self.cfg.data.epochs and not self.limit_reached
+
+    def batches(self, source, stop: "StopSignal") -> Iterator[Batch]:
+        if self.stream is not None:
+            return stream_batches(source, self.batcher, self.dead_letter, self.remaining,
+                                  self.cfg.data.max_batch_delay_s, stop, self.monitor)
+        return micro_batches(source, self.cfg.data.batch_size, self.dead_letter, self.remaining,
+                             self.monitor)
+
+    def owned(self, batch: Batch) -> Batch:
+        """`batch` without rows of partitions a rebalance took away after it was read."""
+        return self.source.owned_rows(batch) if self.stream is not None else batch
+
+    def checkpoint(self, commit: bool = True) -> None:
+        """Write a durable checkpoint; then (Kafka) commit its positions as the group's offsets."""
+        t0 = time.perf_counter()
+        tensors = {"trainer": self.trainer.state_tensors(),
+                   "window": {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v)
+                              for k, v in self.window.state_dict().items()}}
+        state = CheckpointState(self.trainer.step, self.total_before + self.summary.records_trained,
+                                self.positions, self.cfg.to_dict(), tensors,
+                                {"epoch": self.epoch, "source": self.cfg.data.source})
+        self.summary.checkpoint = str(save_checkpoint(self.ckpt_dir, state, self.cfg.train.keep_checkpoints))
+        self.monitor.on_checkpoint(time.perf_counter() - t0, self.summary.checkpoint)
+        if commit and self.stream is not None:
+            self.source.commit(self.positions)
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.stream is not None and self.source is not None:
+            self.summary.source_stats = self.source.stats.as_dict()
+            self.source.close()            # leaves the group; commits happen after checkpoints only
+
+    def finish(self, seconds: float) -> RunSummary:
+        s = self.summary
+        s.seconds = seconds
+        s.records_trained_total = self.total_before + s.records_trained
+        s.samples_per_s = s.records_trained / max(seconds, 1e-9)
+        s.window = self.window.window().as_dict()
+        s.clipped_row_fraction = self.rows_clipped / max(self.rows_touched, 1)
+        s.floor_row_fraction = self.rows_at_floor / max(self.rows_touched, 1)
+        s.rejected_by_reason = dict(self.dead_letter.counts)
+        s.records_rejected = sum(self.dead_letter.counts.values())
+        self.dead_letter.close()
+        if self.train_end < self.n_total:
+            s.test = evaluate(self.trainer, self.path, self.fmt, self.train_end, None,
+                              self.cfg.data.chunk_records).as_dict()
+        self.monitor.close(s.as_dict())
+        self.trainer.store.close()          # a tiered store waits for its I/O and closes LMDB
+        return s
+
+
+def train(cfg: Config, resume: str | None = None, show_progress: bool = True) -> RunSummary:
+    """Train on `cfg.data.source`; resume from a checkpoint when `resume` is given.
+
+    Ends at the end of the data (all epochs), at `data.limit_records`, or on
+    SIGTERM / Ctrl-C after finishing the current batch; always checkpoints.
+    A Kafka source (data.source kafka://...) is one long epoch: it ends on a
+    signal, at the limit, or after `kafka.stop_when_idle_s` without records,
+    and commits the group's offsets after every checkpoint.
+    """
+    run = Run(cfg, resume)
+    progress = Progress("train", cfg.train.log_every_s, enabled=show_progress)
+    every = cfg.train.checkpoint_every_batches
+    with StopSignal() as stop, run:
+        while run.wants_more and not stop.requested:
+            with run.open_source() as source:
+                batches = run.batches(source, stop)
+                # A tiered store prefetches the next batch's rows while this one trains.
+                run.lookahead = LookAhead(batches, cfg.store.kind == "tiered")
+                for batch, upcoming in run.lookahead:
+                    batch = run.owned(batch)    # a rebalance during the look-ahead read?
+                    if not len(batch):
+                        continue
+                    # Step: its forward pass scores the batch before the update (prequential).
+                    result = run.trainer.train_step(batch, upcoming)
+                    # Evaluate and advance the resume point past this batch.
+                    run.record(batch, result)
+                    acc = run.window.window()
+                    run.monitor.on_batch(batch, result, acc)
+                    progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss)
+                    if every and run.summary.batches % every == 0:
+                        run.checkpoint()
+                    if stop.requested:
+                        break
+            run.end_epoch(source)
+        acc = run.window.window()
+        progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss, force=True)
+        progress.close()
+        run.checkpoint()
+    return run.finish(progress.elapsed_s())
+
+
+def evaluate(trainer: Trainer, path: Path, fmt, start_offset: int, stop_offset: int | None,
+             chunk_records: int) -> Accuracy:
+    """Score records [start_offset, stop_offset) without training on them."""
+    probs, labels = [], []
+    with FileSource(path, fmt, start_offset=start_offset, chunk_records=chunk_records,
+                    stop_offset=stop_offset) as source:
+        while not source.exhausted:
+            chunk, _rejected = source.read()
+            if len(chunk):
+                probs.append(trainer.predict(chunk))
+                labels.append(chunk.labels)
+    if not probs:
+        raise ConfigError(f"no records to evaluate in {path} from offset {start_offset}")
+    return accuracy(np.concatenate(probs), np.concatenate(labels))
+
+
+def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str, start: int = 0,
+                        stop: int | None = None) -> dict:
+    """`stream-ctr eval`: score a file with a loaded checkpoint's model, no training.
+
+    `state` is one rank's checkpoint or a distributed job's shards as one table
+    (`stream_ctr.distributed.job_checkpoint.load_any`); `checkpoint` names it."""
+    cfg = Config.from_dict(state.config, origin=f"{checkpoint} (checkpoint config)")
+    fmt, path = detect_format(source)
+    saved_fmt = source_format(cfg)
+    if saved_fmt.name != fmt.name:
+        raise ConfigError(f"checkpoint was trained on {saved_fmt.name} records, "
+                          f"{source} is {fmt.name}: their features do not match")
+    configure_torch(cfg)
+    trainer = Trainer(cfg, fmt.n_keys, fmt.n_dense, read_only=True)   # never moves a row
+    trainer.load_state_tensors(state.tensors["trainer"])
+    acc = evaluate(trainer, path, fmt, start, stop, cfg.data.chunk_records)
+    trainer.store.close()
+    return {**acc.as_dict(), "checkpoint": str(checkpoint), "step": state.step}

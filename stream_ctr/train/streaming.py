@@ -1,0 +1,138 @@
+"""What a training run needs for a stream (Kafka) source and a file source does not.
+
+- `StreamBatcher`: the micro-batcher with a latency budget (a partial batch
+  trains once its oldest row has waited `data.max_batch_delay_s`) that can
+  drop the pending rows of partitions a rebalance took away;
+- `stream_batches`: the micro-batch iterator of a stream: it ends on a stop
+  signal (pending rows stay untrained and are read again after a restart:
+  no checkpoint covers them), on `--stop-when-idle`, or at the record limit;
+- `open_kafka_source` / `open_dead_letter`: the source and the dead-letter
+  sink of a run, wired to its checkpoints (see `revoke_hook`).
+
+A Kafka run is one long epoch: it never "finishes" a topic, its positions are
+never reset, and a resumed run continues the stream.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from stream_ctr.connectors.batch import Batch
+from stream_ctr.connectors.dead_letter import DeadLetterFile
+from stream_ctr.connectors.files import detect_format
+from stream_ctr.connectors.formats import RecordFormat
+from stream_ctr.connectors.kafka.options import KafkaUrl, is_kafka_url, parse_kafka_url
+from stream_ctr.connectors.kafka.positions import filter_partitions
+from stream_ctr.train.batcher import MicroBatcher
+from stream_ctr.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from stream_ctr.connectors.kafka.source import KafkaSource
+    from stream_ctr.train.batches import StopSignal
+
+
+class StreamBatcher(MicroBatcher):
+    """A MicroBatcher that knows when its oldest pending row arrived."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__(batch_size)
+        self._arrivals: list[list] = []          # [arrival time, rows still pending], oldest first
+
+    def add(self, chunk: Batch) -> list[Batch]:
+        if len(chunk):
+            self._arrivals.append([time.monotonic(), len(chunk)])
+        out = super().add(chunk)
+        taken = len(out) * self.batch_size
+        while taken and self._arrivals:
+            used = min(taken, self._arrivals[0][1])
+            self._arrivals[0][1] -= used
+            taken -= used
+            if not self._arrivals[0][1]:
+                self._arrivals.pop(0)
+        return out
+
+    def flush(self) -> Batch | None:
+        self._arrivals = []
+        return super().flush()
+
+    def oldest_wait_s(self) -> float:
+        """Seconds the oldest pending row has waited (0 when none is pending)."""
+        return time.monotonic() - self._arrivals[0][0] if self._arrivals else 0.0
+
+    def discard(self, partitions: list[str]) -> int:
+        """Drop pending rows of `partitions`; returns how many."""
+        gone = set(partitions)
+        before = self._rows
+        self._pending = [b for b in (filter_partitions(b, gone) for b in self._pending) if len(b)]
+        self._rows = sum(map(len, self._pending))
+        if not self._rows:
+            self._arrivals = []
+        elif self._rows != before:          # keep the oldest arrival: the budget stays conservative
+            self._arrivals = [[self._arrivals[0][0], self._rows]]
+        return before - self._rows
+
+
+def stream_batches(source: "KafkaSource", batcher: StreamBatcher, dead_letter,
+                   limit_records: int, max_delay_s: float, stop: "StopSignal",
+                   monitor=None) -> Iterator[Batch]:
+    """Micro-batches of a stream; at most `limit_records` rows when it is >= 0.
+    Each read is reported to `monitor` (as `micro_batches` does)."""
+    emitted = 0
+    while not source.exhausted and not stop.requested:
+        t0 = time.perf_counter()
+        # Just what the next batch needs: the source is polled once per batch
+        # (heartbeats, rebalances) and keeps the rest of a fetch buffered.
+        chunk, rejected = source.read(max(1, batcher.batch_size - batcher.pending_rows))
+        if monitor is not None:
+            monitor.on_read(chunk, rejected, time.perf_counter() - t0)
+        dead_letter.write(rejected)
+        ready = batcher.add(chunk)
+        pending = batcher.pending_rows
+        if pending and (
+                # every row up to the limit is here: the last batch of the run is partial
+                0 <= limit_records <= emitted + len(ready) * batcher.batch_size + pending
+                # the latency budget is spent: train what is there
+                or (not ready and batcher.oldest_wait_s() >= max_delay_s)):
+            ready.append(batcher.flush())
+        for batch in ready:
+            if 0 <= limit_records <= emitted + len(batch):
+                yield batch.slice(0, limit_records - emitted)
+                return
+            emitted += len(batch)
+            yield batch
+    if stop.requested:
+        return
+    rest = batcher.flush()                      # the stream went idle: train the tail
+    if rest is not None:
+        yield rest.slice(0, limit_records - emitted) if limit_records >= 0 else rest
+
+
+def stream_url(cfg: Config) -> KafkaUrl | None:
+    """The parsed kafka:// source of `cfg` (URL query over the [kafka] section), or None."""
+    if not is_kafka_url(cfg.data.source):
+        return None
+    url = parse_kafka_url(cfg.data.source, cfg.kafka)
+    if cfg.data.holdout_fraction:
+        raise ConfigError("data.holdout_fraction needs a file source; score a Kafka-trained "
+                          "checkpoint on a file with `stream-ctr eval`")
+    if cfg.data.epochs != 1:
+        raise ConfigError(f"data.epochs must be 1 for a Kafka source (a stream is one long "
+                          f"epoch), got {cfg.data.epochs}")
+    return url
+
+
+def source_format(cfg: Config) -> RecordFormat:
+    """The record format of `cfg.data.source`, file or Kafka."""
+    url = stream_url(cfg)
+    return url.options.record_format if url is not None else detect_format(cfg.data.source)[0]
+
+
+def open_dead_letter(cfg: Config, url: KafkaUrl | None):
+    """The run's dead-letter sink: the Kafka dead-letter topic, or the JSON-lines file."""
+    if url is not None and url.options.dead_letter_topic:
+        from stream_ctr.connectors.kafka.sink import KafkaDeadLetter, require_topics
+        require_topics(url)                 # a typo must not leave a dead-letter topic behind
+        topic = url.options.dead_letter_topic.replace("{topic}", url.topics[0])
+        return KafkaDeadLetter(url, topic)
+    return DeadLetterFile(cfg.data.dead_letter_path or Path(cfg.train.run_dir) / "dead_letter.jsonl")

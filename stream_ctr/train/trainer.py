@@ -1,0 +1,184 @@
+"""The model, its embedding store and both optimizers, with one method per phase.
+
+`train_step` is the whole step of DESIGN.md (working set, gather, forward,
+mean BCE, backward, dense Adam with warm-up, CowClip + sparse Adam on the rows
+present). Its forward pass runs on the pre-update weights, so the scores it
+returns are the prequential scores of the batch: no second forward needed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from stream_ctr.connectors.batch import Batch
+from stream_ctr.ops.embedding_gather import gather_rows
+from stream_ctr.config import Config
+from stream_ctr.store.embedding import EmbeddingStore
+from stream_ctr.store import build_store
+from stream_ctr.models.networks import build_model
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> CUDA when a GPU is present, CPU otherwise."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        from stream_ctr.config import ConfigError
+        raise ConfigError(f"train.device is {name!r} but torch sees no CUDA GPU; use --device auto or cpu")
+    return torch.device(name)
+
+
+@dataclass
+class StepResult:
+    probs: torch.Tensor          # [B] scores from the pre-update model (prequential)
+    loss: torch.Tensor           # 0-dim mean BCE (without L2)
+    skipped: torch.Tensor        # 0-dim bool: loss or gradients were not finite, no update
+    rows_touched: int
+    rows_clipped: torch.Tensor   # 0-dim
+    rows_at_floor: torch.Tensor  # 0-dim
+    # Wall seconds per phase (prepare, forward_backward, update). On CUDA they
+    # measure launch time unless the caller synchronizes.
+    phase_s: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, n_fields: int, n_dense: int,
+                 store: EmbeddingStore | None = None, read_only: bool = False) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg.train.device)
+        self.n_fields, self.n_dense = n_fields, n_dense
+        torch.manual_seed(cfg.train.seed)
+        self.model = build_model(cfg.model, n_fields, n_dense).to(self.device)
+        # The configured store ([store] kind: memory, or tiered cache/RAM/LMDB);
+        # read_only for evaluation, which must not move or roll back any row.
+        self.store = store or build_store(cfg, n_fields, self.device, read_only=read_only)
+        self._next: tuple[Batch, tuple[torch.Tensor, ...]] | None = None
+        o = cfg.optim
+        self.dense_opt = torch.optim.Adam(self.model.parameters(), lr=o.lr_dense,
+                                          betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+        self.l2_params = self.model.l2_parameters()
+        self.step = 0
+        # Hierarchical replicas: called after backward with the records this step trained
+        # (0 if skipped); makes the dense gradients the node's mean and returns the node's
+        # records (DenseMerger.reduce_gradients). None: every replica steps on its own.
+        self.reduce_dense_grads: Callable[[int], int] | None = None
+
+    def _dense_step(self, step: int) -> None:
+        for group in self.dense_opt.param_groups:
+            group["lr"] = self.dense_lr(step)
+        self.dense_opt.step()
+
+    def idle_dense_step(self) -> None:
+        """A hierarchical replica without a batch this step still takes its node's dense
+        step (on the node's mean gradients), or the node's replicas would drift apart."""
+        if self.reduce_dense_grads is None:
+            return
+        self.dense_opt.zero_grad(set_to_none=True)
+        if self.reduce_dense_grads(0) > 0:
+            self._dense_step(self.step + 1)
+
+    def dense_lr(self, step: int) -> float:
+        """Linear warm-up to lr_dense over warmup_steps, then flat (reference/cowclip.md 2.1)."""
+        warm = self.cfg.optim.warmup_steps
+        return self.cfg.optim.lr_dense * (min(1.0, step / warm) if warm > 0 else 1.0)
+
+    def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        dense = torch.from_numpy(batch.dense).to(self.device, non_blocking=True)
+        labels = torch.from_numpy(batch.labels).to(self.device, non_blocking=True)
+        return dense, labels
+
+    def _forward(self, rows: torch.Tensor, inverse: torch.Tensor, b: int,
+                 dense: torch.Tensor) -> torch.Tensor:
+        """Logits from unique rows [U, d+1] and each slot's index into them [B*F].
+
+        Embedding and linear columns are split at the unique-row level, so the
+        backward of the split touches [U, d+1], not [B, F, d+1].
+        """
+        d = self.cfg.model.embed_dim
+        emb = gather_rows(rows[:, :d].contiguous(), inverse).view(b, self.n_fields, d)
+        lin = rows[:, d][inverse].view(b, self.n_fields)
+        return self.model(emb, lin, dense)
+
+    def _working_set(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        """Unique signs, each key's index into them, and in-batch counts (CowClip's cnt)."""
+        if self._next is not None and self._next[0] is batch:
+            return self._next[1]
+        keys = torch.from_numpy(batch.keys).to(self.device, non_blocking=True).view(-1)
+        return torch.unique(keys, return_inverse=True, return_counts=True)
+
+    def train_step(self, batch: Batch, upcoming: Batch | None = None) -> StepResult:
+        """One step on `batch`; `upcoming` (the next batch, if known) is prefetched meanwhile."""
+        t0 = time.perf_counter()
+        b = len(batch)
+        dense, labels = self._inputs(batch)
+
+        # Working set: the store makes every unique sign resident before the step
+        # starts, and may fetch the next batch's while this one trains.
+        uniq, inverse, counts = self._working_set(batch)
+        if len(batch):
+            self.store.observe_event_time(int(batch.event_time_ms.max()))
+        slots = self.store.prepare(uniq)
+        self._next = None
+        if upcoming is not None and len(upcoming):
+            self._next = (upcoming, self._working_set(upcoming))
+            self.store.prefetch(self._next[1][0])
+        rows = self.store.weight[slots].requires_grad_()
+        t1 = time.perf_counter()
+
+        # Forward on the pre-update weights (these are the prequential scores), backward.
+        logits = self._forward(rows, inverse, b, dense)
+        loss = F.binary_cross_entropy_with_logits(logits, labels)
+        o = self.cfg.optim
+        reg = sum((p.square().sum() for p in self.l2_params.get("linear", [])), torch.zeros((), device=self.device)) * o.l2 \
+            + sum((p.square().sum() for p in self.l2_params.get("cross", [])), torch.zeros((), device=self.device)) * o.cross_l2
+        self.dense_opt.zero_grad(set_to_none=True)
+        (loss + reg).backward()
+        t2 = time.perf_counter()
+
+        # A non-finite loss would poison Adam's moments for good: skip the update.
+        skipped = ~torch.isfinite(loss)
+        node_steps = False
+        if self.reduce_dense_grads is not None:      # a node's replicas take one dense step
+            node_steps = self.reduce_dense_grads(0 if bool(skipped) else b) > 0
+        if bool(skipped):
+            if node_steps:                           # the node's step, on its mean gradients
+                self._dense_step(self.step + 1)
+            zero = torch.zeros((), device=self.device)
+            return StepResult(torch.sigmoid(logits.detach()), loss.detach(), skipped, 0, zero, zero)
+
+        # Update: dense Adam with warm-up; CowClip + Adam on the rows present.
+        self.step += 1
+        self._dense_step(self.step)
+        clip = self.store.update(slots, rows.grad, counts, self.step, o)
+        t3 = time.perf_counter()
+        return StepResult(torch.sigmoid(logits.detach()), loss.detach(), skipped, int(uniq.numel()),
+                          clip.rows_clipped, clip.rows_at_floor,
+                          {"prepare": t1 - t0, "forward_backward": t2 - t1, "update": t3 - t2})
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> np.ndarray:
+        """Scores without changing any state (absent keys score with their initial rows)."""
+        dense, _ = self._inputs(batch)
+        keys = torch.from_numpy(batch.keys).to(self.device).view(-1)
+        uniq, inverse = torch.unique(keys, return_inverse=True)
+        rows = self.store.peek(uniq)
+        was_training = self.model.training
+        self.model.eval()
+        logits = self._forward(rows, inverse, len(batch), dense)
+        self.model.train(was_training)
+        return torch.sigmoid(logits).cpu().numpy()
+
+    def state_tensors(self) -> dict:
+        return {"model": self.model.state_dict(), "dense_opt": self.dense_opt.state_dict(),
+                "store": self.store.state_dict(), "step": self.step}
+
+    def load_state_tensors(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.dense_opt.load_state_dict(state["dense_opt"])
+        self.store.load_state_dict(state["store"])
+        self.step = int(state["step"])
