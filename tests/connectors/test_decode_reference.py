@@ -252,7 +252,7 @@ def test_json_messages_that_are_not_one_object(bad):
 def test_packed_kafka_messages_split_across_reads_equal_the_reference(kafka):
     """Through a broker: packed messages (with bad lines) read in pieces that cut
     messages in two give exactly the rows and rejects of the reference."""
-    from tests.connectors.test_kafka_source import open_source
+    from tests.connectors.kafka.test_source import open_source
     fmt, data = SAMPLES["criteo"]
     lines = _inject(data[:600_000], CRITEO_ODD, 29).split(b"\n")[:-1]
     values = [b"\n".join(lines[i:i + 250]) for i in range(0, len(lines), 250)]

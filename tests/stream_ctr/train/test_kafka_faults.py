@@ -20,10 +20,10 @@ from stream_ctr.connectors.kafka.replay import replay_file
 from stream_ctr.train.checkpoint import load_checkpoint
 from stream_ctr.train.loop import train
 from tests.kafka_broker import KafkaHelper, kafka_set_args
-from tests.stream_ctr.test_kafka_train import kafka_config
-from tests.stream_ctr.test_train_loop import tensors_equal
+from tests.stream_ctr.train.test_kafka_train import kafka_config
+from tests.stream_ctr.train.test_loop import tensors_equal
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 DRIVER = r"""
 import os, signal, sys, time

@@ -14,7 +14,7 @@ from stream_ctr.config import Config, ConfigError, validate
 from stream_ctr.distributed.job_checkpoint import load_any
 from stream_ctr.train.loop import evaluate_checkpoint, train
 from tests.kafka_broker import TEST_KAFKA
-from tests.stream_ctr.test_train_loop import tensors_equal
+from tests.stream_ctr.train.test_loop import tensors_equal
 
 TRAIN_RECORDS = 13044          # the first 90% of the Criteo sample; the rest is the test set
 

@@ -13,7 +13,7 @@ from stream_ctr.telemetry.catalogue import CATALOGUE, exported_names
 from tests.prometheus_server import (alert_rules, dashboard_panels, dashboard_variable_selectors,
                                      metric_names)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MON = ROOT / "monitoring"
 DASHBOARD = MON / "grafana" / "dashboards" / "stream_ctr.json"
 ALERTS = MON / "alerts.yml"

@@ -21,7 +21,7 @@ from tests.prometheus_server import (PromQLError, alert_rules, dashboard_panels,
                                      dashboard_variable_selectors, free_port, grafana_to_promql,
                                      http_get, metric_names)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "monitoring" / "grafana" / "dashboards" / "stream_ctr.json"
 ALERTS = ROOT / "monitoring" / "alerts.yml"
 # Metrics a single-rank CPU run on a file cannot have; an expression may come back
