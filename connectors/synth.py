@@ -14,6 +14,12 @@ Each row is a Criteo TSV line (label, I1..I13, C1..C26):
   per (field, id), derived by hashing, plus small dense weights, its bias
   calibrated so the mean CTR is about 0.2.  A model can learn the teacher.
 
+Beside the data, `probs_path(path)` (PATH + ".probs.npy") receives the
+teacher's TRUE click probability of every row, float32 [n_records] in file
+order (`numpy.load`, or `mmap_mode="r"`). The label of row i was drawn from
+probs[i], so the AUC of probs on any split is that split's Bayes AUC: the
+ceiling a model can reach there (`bayes_auc`).
+
 Everything is vectorized per chunk of rows and deterministic for a seed.
 """
 from __future__ import annotations
@@ -46,20 +52,29 @@ _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 _TAB, _LF, _ZERO, _MINUS = 9, 10, 48, 45
 
 
+def probs_path(path: str | Path) -> Path:
+    """The sidecar of a synthetic file: its rows' true click probabilities (float32 .npy)."""
+    return Path(str(path) + ".probs.npy")
+
+
 def write_synthetic_criteo(path: str | Path, n_records: int, seed: int = 0,
                            zipf_exponent: float = 1.05, vocab_per_field: int = 10**6,
-                           gzip: bool = False) -> int:
+                           gzip: bool = False, write_probs: bool = True) -> int:
     """Write `n_records` synthetic Criteo TSV lines to `path`; returns the count written.
 
     Deterministic for a given (seed, zipf_exponent, vocab_per_field), and
     the file for n records is a prefix of the file for more.  With
-    ``gzip=True`` the file is a gzip stream (level 1, mtime 0).
+    ``gzip=True`` the file is a gzip stream (level 1, mtime 0). With
+    `write_probs`, `probs_path(path)` gets each row's true click probability.
     """
     vocab = np.minimum(CRITEO_CARDINALITY, vocab_per_field)
     dense_w = np.random.default_rng([seed, 1]).normal(0.0, DENSE_WEIGHT_STD, 13)
     bias = _calibrate_bias(np.random.default_rng([seed, 2]), vocab, zipf_exponent, dense_w, seed)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # Written chunk by chunk into a memory-mapped .npy: no n_records-sized array in RAM.
+    probs = (np.lib.format.open_memmap(probs_path(path), mode="w+", dtype=np.float32,
+                                       shape=(n_records,)) if write_probs else None)
     with open(path, "wb") as raw:
         out = gzip_module.GzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0) if gzip else raw
         try:
@@ -68,13 +83,41 @@ def write_synthetic_criteo(path: str | Path, n_records: int, seed: int = 0,
                 rng = np.random.default_rng([seed, 3, chunk])
                 ranks, ints = _sample_features(rng, CHUNK_ROWS, vocab, zipf_exponent)
                 logits = bias + _teacher_logit(ranks, ints, dense_w, seed)
-                labels = (rng.random(CHUNK_ROWS) < 1.0 / (1.0 + np.exp(-logits))).astype(np.int64)
+                p = 1.0 / (1.0 + np.exp(-logits))
+                labels = (rng.random(CHUNK_ROWS) < p).astype(np.int64)
                 n = min(CHUNK_ROWS, n_records - first)
                 out.write(render_criteo_lines(labels[:n], ints[:n], _tokens(ranks[:n], seed)))
+                if probs is not None:
+                    probs[first:first + n] = p[:n]
         finally:
             if gzip:
                 out.close()
+    if probs is not None:
+        probs.flush()
+        del probs
     return n_records
+
+
+def bayes_auc(path: str | Path, labels: np.ndarray, start: int = 0) -> float:
+    """AUC of the true probabilities of rows [start, start + len(labels)) of a synthetic
+    file against those rows' labels: the best AUC any model can reach on them."""
+    probs = np.load(probs_path(path), mmap_mode="r")[start:start + len(labels)]
+    return _auc(np.asarray(probs, dtype=np.float64), np.asarray(labels))
+
+
+def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    # Mann-Whitney with average ranks for ties (numpy only: connectors do not import stream_ctr).
+    order = np.argsort(scores, kind="mergesort")
+    s = scores[order]
+    ranks = np.empty(len(s), dtype=np.float64)
+    starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
+    ends = np.r_[starts[1:], len(s)]
+    ranks[order] = np.repeat((starts + ends + 1) / 2.0, ends - starts)
+    pos = labels > 0
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
 def _sample_features(rng: np.random.Generator, n: int, vocab: np.ndarray,

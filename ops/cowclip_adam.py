@@ -8,12 +8,20 @@ For each present row i (unique index `rows[i]` into the table, seen
     # CowClip on the first `clip_dims` columns (the d-dim embedding); the
     # columns after them (e.g. a 1-dim "linear" weight) get L2 and Adam only.
     lower    = clip_r * sqrt(clip_dims) * clip_zeta
-    thr      = clip_r * count[i] * max(||w[:clip_dims]||, lower)
+    thr      = clip_scale * clip_r * count[i] * max(||w[:clip_dims]||, lower)
     gn       = ||g[:clip_dims]||
     g[:clip_dims] *= min(1, thr/gn)  if gn > 0   # no epsilon; zero stays zero
     # Adam (torch semantics), on the clipped gradient
     m = b1*m + (1-b1)*g ;  v = b2*v + (1-b2)*g*g
-    w = w - lr/(1-b1**step) * m / (sqrt(v)/sqrt(1-b2**step) + eps)
+    lr_i = lr * row_lr_multiplier(count[i], count_lr_s)
+    w = w - lr_i/(1-b1**step) * m / (sqrt(v)/sqrt(1-b2**step) + eps)
+
+`clip_scale` = 1 is the repo's threshold on the mean-loss gradient; 1/batch
+puts it in per-occurrence units (the sum-loss gradient is batch x the mean).
+`row_lr_multiplier(c, s)` = s*(1-(1-1/s)**c) for s > 1, else 1: the expected
+number of the s base-size batches a big batch replaces that hold at least one
+of the row's c occurrences, i.e. how many Adam steps the row would have taken
+at the base batch (1 for c = 1, ~c for c << s, -> s for c >> s).
 
 Norms use the pre-update weights. The threshold is the repo's (see
 reference/cowclip.md 1.2); the paper's zeta is `clip_r**2 * sqrt(d) * clip_zeta`.
@@ -70,6 +78,7 @@ def cowclip_adam_(
     rows: torch.Tensor, grad: torch.Tensor, count: torch.Tensor, *,
     step: int, lr: float, l2: float, clip_r: float, clip_zeta: float, clip_dims: int,
     beta1: float, beta2: float, eps: float, cowclip: bool = True,
+    clip_scale: float = 1.0, count_lr_s: float = 1.0,
 ) -> ClipStats:
     """CowClip + Adam update of the rows `rows` of an embedding table, IN PLACE.
 
@@ -91,6 +100,8 @@ def cowclip_adam_(
         clip_dims: number of leading columns that are clipped (1..D).
         beta1, beta2, eps: Adam constants.
         cowclip: False skips the clip (plain sparse Adam with L2).
+        clip_scale: factor on the threshold (1/batch: per-occurrence units).
+        count_lr_s: s of the per-row lr multiplier `row_lr_multiplier` (1: off).
 
     Returns:
         ClipStats of 0-dim device tensors; the op does not sync the host.
@@ -101,7 +112,16 @@ def cowclip_adam_(
     impl = cowclip_adam_triton if use_triton(weight) else cowclip_adam_reference
     return impl(weight, exp_avg, exp_avg_sq, rows, grad, count, step=step, lr=lr, l2=l2,
                 clip_r=clip_r, clip_zeta=clip_zeta, clip_dims=clip_dims,
-                beta1=beta1, beta2=beta2, eps=eps, cowclip=cowclip)
+                beta1=beta1, beta2=beta2, eps=eps, cowclip=cowclip,
+                clip_scale=clip_scale, count_lr_s=count_lr_s)
+
+
+def row_lr_multiplier(count: torch.Tensor, s: float) -> torch.Tensor:
+    """s*(1-(1-1/s)**count) as float32 [U] (all ones for s <= 1); see the module doc."""
+    c = count.to(torch.float32)
+    if s <= 1.0:
+        return torch.ones_like(c)
+    return s * -torch.expm1(c * math.log1p(-1.0 / s))
 
 
 def _check_args(weight, exp_avg, exp_avg_sq, rows, grad, count, step, clip_dims, cowclip) -> None:
@@ -136,18 +156,18 @@ def _zero_stats(device: torch.device, rows_present: int) -> ClipStats:
 
 def clip_rows_reference(
     w: torch.Tensor, g: torch.Tensor, count: torch.Tensor, *,
-    clip_r: float, clip_zeta: float, clip_dims: int,
+    clip_r: float, clip_zeta: float, clip_dims: int, clip_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CowClip of gathered rows (pure torch, out of place).
 
     `w`, `g`: float [U, D] pre-update weights and (L2-added) gradients;
-    `count`: integer [U]. Returns `(g_clipped [U, D], clipped bool [U],
+    `count`: integer [U]; `clip_scale` multiplies the threshold. Returns `(g_clipped [U, D], clipped bool [U],
     at_floor bool [U])`; only the first `clip_dims` columns are scaled.
     """
     lower = clip_r * math.sqrt(clip_dims) * clip_zeta
     w_norm = torch.linalg.vector_norm(w[:, :clip_dims], dim=1)
     g_norm = torch.linalg.vector_norm(g[:, :clip_dims], dim=1)
-    thr = clip_r * count.to(w.dtype) * torch.clamp_min(w_norm, lower)
+    thr = clip_scale * clip_r * count.to(w.dtype) * torch.clamp_min(w_norm, lower)
     clipped = g_norm > thr  # implies g_norm > 0: a zero row is never scaled
     scale = torch.where(clipped, thr / torch.where(clipped, g_norm, 1.0), 1.0)
     g_clipped = g.clone()
@@ -160,6 +180,7 @@ def cowclip_adam_reference(
     rows: torch.Tensor, grad: torch.Tensor, count: torch.Tensor, *,
     step: int, lr: float, l2: float, clip_r: float, clip_zeta: float, clip_dims: int,
     beta1: float, beta2: float, eps: float, cowclip: bool = True,
+    clip_scale: float = 1.0, count_lr_s: float = 1.0,
 ) -> ClipStats:
     """Pure-torch `cowclip_adam_`: index_select the rows, compute, index_copy_ back.
 
@@ -176,12 +197,15 @@ def cowclip_adam_reference(
     stats = _zero_stats(weight.device, rows.numel())
     if cowclip:
         g, clipped, at_floor = clip_rows_reference(
-            w, g, count, clip_r=clip_r, clip_zeta=clip_zeta, clip_dims=clip_dims)
+            w, g, count, clip_r=clip_r, clip_zeta=clip_zeta, clip_dims=clip_dims,
+            clip_scale=clip_scale)
         stats = ClipStats(clipped.sum(), at_floor.sum(), rows.numel())
 
     step_size, bc2_sqrt = _bias_corrections(lr, beta1, beta2, step)
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * (g * g)
+    if count_lr_s > 1.0:
+        step_size = step_size * row_lr_multiplier(count, count_lr_s)[:, None]
     w = w - step_size * (m / (v.sqrt() / bc2_sqrt + eps))
 
     weight.index_copy_(0, rows, w)
@@ -200,6 +224,7 @@ def cowclip_adam_triton(
     rows: torch.Tensor, grad: torch.Tensor, count: torch.Tensor, *,
     step: int, lr: float, l2: float, clip_r: float, clip_zeta: float, clip_dims: int,
     beta1: float, beta2: float, eps: float, cowclip: bool = True,
+    clip_scale: float = 1.0, count_lr_s: float = 1.0,
 ) -> ClipStats:
     """Triton `cowclip_adam_`: one fused pass, one program per block of rows.
 
@@ -224,9 +249,10 @@ def cowclip_adam_triton(
     kernel[(triton.cdiv(u, block_r),)](
         weight, exp_avg, exp_avg_sq, rows.contiguous(), grad, count, stats,
         u, d, clip_dims if cowclip else d,
-        2.0 * l2, clip_r, clip_r * math.sqrt(clip_dims) * clip_zeta,
+        2.0 * l2, clip_scale * clip_r, clip_r * math.sqrt(clip_dims) * clip_zeta,
         beta1, 1.0 - beta1, beta2, 1.0 - beta2, step_size, bc2_sqrt, eps,
-        COWCLIP=cowclip, BLOCK_R=block_r, BLOCK_D=block_d,
+        float(count_lr_s), math.log1p(-1.0 / count_lr_s) if count_lr_s > 1.0 else 0.0,
+        COWCLIP=cowclip, COUNT_LR=count_lr_s > 1.0, BLOCK_R=block_r, BLOCK_D=block_d,
     )
     stats = stats.to(torch.int64)
     return ClipStats(stats[0], stats[1], u)
@@ -236,9 +262,10 @@ def _cowclip_adam_kernel(
     w_ptr, m_ptr, v_ptr, rows_ptr, g_ptr, cnt_ptr, stats_ptr,
     n_rows, D, clip_dims,
     two_l2, clip_r, lower, beta1, one_minus_beta1, beta2, one_minus_beta2,
-    step_size, bc2_sqrt, eps,
-    COWCLIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    step_size, bc2_sqrt, eps, count_lr_s, count_lr_log_keep,
+    COWCLIP: tl.constexpr, COUNT_LR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # clip_r here is clip_scale * r (the threshold's factor); lower uses the bare r.
     # Rows r of this program (int64: table offsets can pass 2**31), all columns.
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
@@ -252,12 +279,12 @@ def _cowclip_adam_kernel(
     m = tl.load(m_ptr + in_table, mask=mask, other=0.0)
     v = tl.load(v_ptr + in_table, mask=mask, other=0.0)
     g = tl.load(g_ptr + in_batch, mask=mask, other=0.0) + two_l2 * w
+    cnt = tl.load(cnt_ptr + r, mask=row_ok, other=0).to(tl.float32)
 
     if COWCLIP:
         in_clip = (cols < clip_dims)[None, :]
         w_norm = tl.sqrt(tl.sum(tl.where(in_clip, w * w, 0.0), axis=1))
         g_norm = tl.sqrt(tl.sum(tl.where(in_clip, g * g, 0.0), axis=1))
-        cnt = tl.load(cnt_ptr + r, mask=row_ok, other=0).to(tl.float32)
         thr = clip_r * cnt * tl.maximum(w_norm, lower)
         clipped = g_norm > thr  # implies g_norm > 0; padded rows: 0 > 0 is False
         scale = tl.where(clipped, thr / tl.where(clipped, g_norm, 1.0), 1.0)
@@ -267,7 +294,11 @@ def _cowclip_adam_kernel(
 
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * (g * g)
-    w = w - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
+    if COUNT_LR:    # s*(1-(1-1/s)**cnt) = -s*expm1(cnt*log1p(-1/s)); 1-exp is fine in float32 here
+        mult = count_lr_s * (1.0 - tl.exp(cnt * count_lr_log_keep))
+        w = w - (step_size * mult)[:, None] * (m / (tl.sqrt(v) / bc2_sqrt + eps))
+    else:
+        w = w - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
     tl.store(w_ptr + in_table, w, mask=mask)
     tl.store(m_ptr + in_table, m, mask=mask)
     tl.store(v_ptr + in_table, v, mask=mask)

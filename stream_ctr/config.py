@@ -50,6 +50,9 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
+    # lr_dense, lr_embed and l2 are for the batch that trains, or, with
+    # scale_from_batch = B0, for batch B0: the scaling rule (`resolve_optim`)
+    # derives the values the run uses from them and data.batch_size.
     lr_dense: float = 3e-3
     lr_embed: float = 1e-3
     l2: float = 1e-5                # lambda * ||w||^2 on embedding rows present in the batch
@@ -57,10 +60,40 @@ class OptimConfig:
     cowclip: bool = True
     cowclip_r: float = 1.0
     cowclip_zeta: float = 1e-5      # per-coordinate lower bound (paper code units)
-    warmup_steps: int = 20          # dense lr ramps linearly from 0 over these steps
+    # Units of the clip threshold r * cnt * max(||w||, zeta): "mean" compares it with the
+    # row's gradient of the batch-MEAN loss (the paper's code: it almost never binds, the
+    # gradient being ~cnt/batch of a per-occurrence gradient); "occurrence" with the
+    # gradient of the SUM loss, i.e. it bounds each occurrence's gradient by r*max(||w||, zeta).
+    cowclip_units: str = "mean"     # mean | occurrence
+    # Dense lr ramps linearly from ~0 over this many trained samples, whatever the
+    # batch (the paper warms up over one epoch of samples); 0 = no warm-up.
+    warmup_samples: int = 20_480
+    # Base batch of the rates above (CLI --scale-from); 0 = use them as they are.
+    # With s = data.batch_size / scale_from_batch: lr_dense x sqrt(s), l2 x s,
+    # lr_embed unchanged (CowClip's rule, reference/cowclip.md 2.4).
+    scale_from_batch: int = 0
+    # Embedding lr per row: "constant" = lr_embed for every row (the paper); "count" =
+    # lr_embed x s*(1-(1-1/s)**cnt), the expected number of base-size batches (of the
+    # s this batch replaces) that would have held the row's cnt occurrences: the
+    # steps it would have taken at the base batch. Needs scale_from_batch.
+    embed_lr_rule: str = "constant"  # constant | count
+    # With embed_lr_rule = count: s in that formula is min(s, embed_lr_max_scale), so no
+    # row steps more than this many base steps at once (0 = no cap).
+    embed_lr_max_scale: float = 0.0
+    # The output bias starts at the log-odds of the first batch's click rate.
+    init_bias_from_data: bool = False
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-7
+
+
+@dataclass
+class ResolvedOptim(OptimConfig):
+    """OptimConfig after the scaling rule, plus what the update kernels derive from it."""
+    batch_size: int = 0             # the batch that trains
+    scale: float = 1.0              # s = batch_size / scale_from_batch (1 without a rule)
+    clip_scale: float = 1.0         # threshold factor in mean-gradient units (1/batch: occurrence)
+    count_lr_s: float = 1.0         # s of the per-row count rule (1: off)
 
 
 @dataclass
@@ -145,6 +178,7 @@ class Config:
     @staticmethod
     def from_dict(raw: dict[str, Any], origin: str = "config") -> "Config":
         cfg = Config()
+        raw = _upgrade_legacy(raw)
         for section, values in raw.items():
             if not hasattr(cfg, section) or not isinstance(values, dict):
                 raise ConfigError(f"{origin}: unknown section [{section}] "
@@ -152,6 +186,18 @@ class Config:
             for key, value in values.items():
                 set_option(cfg, f"{section}.{key}", value, origin)
         return cfg
+
+
+def _upgrade_legacy(raw: dict[str, Any]) -> dict[str, Any]:
+    """Configs (checkpoints) from before warmup_samples: warmup_steps x the batch they ran."""
+    optim = raw.get("optim")
+    if not isinstance(optim, dict) or "warmup_steps" not in optim:
+        return raw
+    raw = {**raw, "optim": dict(optim)}
+    steps = int(raw["optim"].pop("warmup_steps"))
+    batch = int((raw.get("data") or {}).get("batch_size", DataConfig.batch_size))
+    raw["optim"].setdefault("warmup_samples", steps * batch)
+    return raw
 
 
 def set_option(cfg: Config, dotted: str, value: Any, origin: str = "override") -> None:
@@ -260,7 +306,17 @@ def validate(cfg: Config) -> Config:
         (o.l2 >= 0 and o.cross_l2 >= 0, "optim.l2 and optim.cross_l2 must be >= 0"),
         (o.cowclip_r > 0, f"optim.cowclip_r must be > 0, got {o.cowclip_r}"),
         (o.cowclip_zeta >= 0, f"optim.cowclip_zeta must be >= 0, got {o.cowclip_zeta}"),
-        (o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}"),
+        (o.warmup_samples >= 0, f"optim.warmup_samples must be >= 0, got {o.warmup_samples}"),
+        (o.scale_from_batch >= 0,
+         f"optim.scale_from_batch (--scale-from) must be >= 0 (0 = no scaling rule), got {o.scale_from_batch}"),
+        (o.cowclip_units in ("mean", "occurrence"),
+         f"optim.cowclip_units must be mean or occurrence, got {o.cowclip_units!r}"),
+        (o.embed_lr_rule in ("constant", "count"),
+         f"optim.embed_lr_rule must be constant or count, got {o.embed_lr_rule!r}"),
+        (o.embed_lr_max_scale >= 0,
+         f"optim.embed_lr_max_scale must be >= 0 (0 = no cap), got {o.embed_lr_max_scale}"),
+        (o.embed_lr_rule != "count" or o.scale_from_batch > 0,
+         "optim.embed_lr_rule = count needs a base batch: set optim.scale_from_batch (--scale-from)"),
         (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)"),
         (o.eps > 0, f"optim.eps must be > 0, got {o.eps}"),
         (t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
@@ -313,18 +369,33 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def scale_config(base: Config, s: float) -> Config:
-    """CowClip's scaling rule for batch B -> s*B (reference/cowclip.md section 2.4).
+def resolve_optim(cfg: Config) -> ResolvedOptim:
+    """The optimizer settings a run uses for `cfg.data.batch_size`.
 
-    Embedding lr unchanged, L2 x s, dense lr x sqrt(s), batch size x s; warm-up
-    steps shrink by s so that the warm-up covers the same number of samples.
+    Without optim.scale_from_batch they are the configured ones. With a base
+    batch B0 and s = batch / B0, CowClip's scaling rule (reference/cowclip.md
+    2.4): lr_dense x sqrt(s), l2 x s, lr_embed unchanged. Warm-up is in samples,
+    so it needs no scaling. Paper check: Criteo base 1K (lr 8e-4, l2 1e-5) at
+    128K gives lr 90.51e-4, l2 1.28e-3.
     """
-    if s <= 0:
-        raise ConfigError(f"scaling factor must be > 0, got {s}")
-    cfg = Config.from_dict(base.to_dict())
-    cfg.data.batch_size = max(1, round(base.data.batch_size * s))
-    cfg.optim.lr_dense = base.optim.lr_dense * math.sqrt(s)
-    cfg.optim.l2 = base.optim.l2 * s
-    cfg.optim.lr_embed = base.optim.lr_embed
-    cfg.optim.warmup_steps = max(0, round(base.optim.warmup_steps / s))
-    return cfg
+    o, batch = cfg.optim, cfg.data.batch_size
+    s = batch / o.scale_from_batch if o.scale_from_batch > 0 else 1.0
+    fields = {f.name: getattr(o, f.name) for f in dataclasses.fields(OptimConfig)}
+    fields.update(lr_dense=o.lr_dense * math.sqrt(s), l2=o.l2 * s)
+    return ResolvedOptim(**fields, batch_size=batch, scale=s,
+                         clip_scale=1.0 / batch if o.cowclip_units == "occurrence" else 1.0,
+                         count_lr_s=(min(s, o.embed_lr_max_scale) if o.embed_lr_max_scale > 0 else s)
+                         if o.embed_lr_rule == "count" else 1.0)
+
+
+def describe_optim(r: ResolvedOptim) -> str:
+    """One line of the resolved values, printed when a run starts."""
+    rule = (f"batch {r.batch_size:,} = {r.scale:g} x base {r.scale_from_batch:,}" if r.scale_from_batch
+            else f"batch {r.batch_size:,}, no scaling rule")
+    warm = (f"warm-up {r.warmup_samples:,} samples ({math.ceil(r.warmup_samples / r.batch_size):,} steps)"
+            if r.warmup_samples else "no warm-up")
+    clip = (f"cowclip r={r.cowclip_r:g} zeta={r.cowclip_zeta:g} ({r.cowclip_units} units)"
+            if r.cowclip else "no cowclip")
+    return (f"optim: {rule}: lr_dense {r.lr_dense:.4g}, lr_embed {r.lr_embed:.4g} "
+            f"({r.embed_lr_rule} per row{f', s={r.count_lr_s:g}' if r.count_lr_s > 1 else ''}), l2 {r.l2:.4g}, {warm}, {clip}"
+            f"{', output bias from the first batch' if r.init_bias_from_data else ''}")

@@ -73,9 +73,14 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE",
                    help="override any config option (repeatable)")
     p.add_argument("--model", choices=["deepfm", "wdl", "dcn", "dcnv2"], help="model.name")
-    p.add_argument("--batch-size", type=int, help="data.batch_size")
-    p.add_argument("--scale", type=float, help="apply CowClip's scaling rule with factor s to "
-                   "the configured batch size and rates (batch x s, l2 x s, lr_dense x sqrt(s))")
+    p.add_argument("--batch-size", type=int, help="data.batch_size: the batch that trains")
+    p.add_argument("--scale-from", type=int, metavar="BASE_BATCH", help="optim.scale_from_batch: "
+                   "the configured lr_dense / lr_embed / l2 are for BASE_BATCH; CowClip's rule "
+                   "derives the run's from them with s = batch / BASE_BATCH (l2 x s, lr_dense x "
+                   "sqrt(s), lr_embed kept); the resolved values are printed and checkpointed")
+    # Removed (it trained at batch x S): named here so that argparse does not read it as an
+    # abbreviation of --scale-from, and says what replaces it.
+    p.add_argument("--scale", type=float, help=argparse.SUPPRESS)
     p.add_argument("--epochs", type=int, help="data.epochs (passes over a file)")
     p.add_argument("--limit", type=int, help="data.limit_records: train at most N records")
     p.add_argument("--holdout-fraction", type=float, help="data.holdout_fraction: keep the "
@@ -125,7 +130,11 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _synth_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("synth", help="write a synthetic Criteo-format file (Zipf ids, teacher labels)")
+    p = sub.add_parser("synth", help="write a synthetic Criteo-format file (Zipf ids, teacher labels)",
+                       description="Write synthetic Criteo TSV lines and, beside them, OUTPUT.probs.npy: "
+                                   "the hidden teacher's true click probability of every row (float32, "
+                                   "file order), from which any split's Bayes AUC follows; `train` "
+                                   "reports it as test bayes_auc when the sidecar is there.")
     p.add_argument("output", help="output path (.gz for gzip)")
     p.add_argument("--records", type=int, default=1_000_000)
     p.add_argument("--seed", type=int, default=0)
@@ -194,11 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from stream_ctr.config import scale_config
     from stream_ctr.train.loop import train
+    if args.scale is not None:
+        raise ConfigError("--scale was removed: give the batch that trains with --batch-size and "
+                          "the batch the configured rates are for with --scale-from BASE_BATCH "
+                          f"(e.g. --batch-size {round(args.scale * 1024)} --scale-from 1024)")
     cfg = load_config(args.config, args.set)
     flags = {"source": ("data.source", args.source), "model": ("model.name", args.model),
              "batch": ("data.batch_size", args.batch_size), "epochs": ("data.epochs", args.epochs),
+             "scale_from": ("optim.scale_from_batch", args.scale_from),
              "limit": ("data.limit_records", args.limit),
              "stop_after": ("data.limit_records", args.stop_after_records),
              "idle": ("kafka.stop_when_idle_s", args.stop_when_idle),
@@ -222,8 +235,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         set_option(cfg, "store.kind", args.store, origin="command line")
     if args.merge_every is not None:
         set_option(cfg, "distributed.merge_every_k_steps", args.merge_every, origin="command line")
-    if args.scale is not None:
-        cfg = scale_config(cfg, args.scale)
     if cfg.data.source.lower().startswith("kafka://"):
         from stream_ctr.cli.output import configure_logging
         configure_logging(args.quiet)
@@ -259,13 +270,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_synth(args: argparse.Namespace) -> int:
     import time
-    from stream_ctr.connectors.synth import write_synthetic_criteo
+    from stream_ctr.connectors.synth import probs_path, write_synthetic_criteo
     t0 = time.perf_counter()
     n = write_synthetic_criteo(args.output, args.records, seed=args.seed, zipf_exponent=args.zipf,
                                gzip=str(args.output).endswith(".gz"))
     dt = time.perf_counter() - t0
-    emit(args, {"path": args.output, "records": n, "seconds": dt},
-         f"wrote {n:,} synthetic Criteo records to {args.output} in {dt:.1f} s")
+    probs = str(probs_path(args.output))
+    emit(args, {"path": args.output, "records": n, "seconds": dt, "probs": probs},
+         f"wrote {n:,} synthetic Criteo records to {args.output} in {dt:.1f} s "
+         f"(true click probabilities: {probs})")
     return 0
 
 

@@ -123,7 +123,7 @@ class DistributedRun(Run):
         if cfg.data.limit_records:       # this rank's share of the records to train
             w, r = ctx.world_size, ctx.rank
             self.remaining = cfg.data.limit_records // w + (r < cfg.data.limit_records % w)
-        self.store = ShardedEmbeddingStore(self.trainer.store, self.cfg.optim)
+        self.store = ShardedEmbeddingStore(self.trainer.store, self.trainer.optim)
         self.trainer.store = self.store
         d = self.cfg.distributed
         self.merger = DenseMerger(self.trainer.model, self.trainer.dense_opt, d.merge_every_k_steps,

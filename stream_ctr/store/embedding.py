@@ -58,6 +58,16 @@ def init_rows(keys: torch.Tensor, dim: int, std: float, seed: int) -> torch.Tens
     return out
 
 
+def update_options(optim: OptimConfig) -> dict:
+    """`cowclip_adam_` keywords from the run's optimizer settings (every store uses these).
+    A plain OptimConfig (not resolved by config.resolve_optim) clips in mean units and
+    gives every row lr_embed."""
+    return dict(lr=optim.lr_embed, l2=optim.l2, clip_r=optim.cowclip_r, clip_zeta=optim.cowclip_zeta,
+                beta1=optim.beta1, beta2=optim.beta2, eps=optim.eps, cowclip=optim.cowclip,
+                clip_scale=getattr(optim, "clip_scale", 1.0),
+                count_lr_s=getattr(optim, "count_lr_s", 1.0))
+
+
 class EmbeddingStore(ABC):
     """Rows of `dim + 1` floats with Adam moments, addressed by slots.
 
@@ -154,10 +164,7 @@ class InMemoryEmbeddingStore(EmbeddingStore):
     def update(self, slots: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor,
                step: int, optim: OptimConfig) -> ClipStats:
         return cowclip_adam_(self.weight, self.exp_avg, self.exp_avg_sq, slots, grad, counts,
-                             step=step, lr=optim.lr_embed, l2=optim.l2, clip_r=optim.cowclip_r,
-                             clip_zeta=optim.cowclip_zeta, clip_dims=self.dim,
-                             beta1=optim.beta1, beta2=optim.beta2, eps=optim.eps,
-                             cowclip=optim.cowclip)
+                             step=step, clip_dims=self.dim, **update_options(optim))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         n = len(self.index)

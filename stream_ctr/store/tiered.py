@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from stream_ctr.ops.cowclip_adam import ClipStats, cowclip_adam_
+from stream_ctr.store.embedding import update_options
 from stream_ctr.config import ModelConfig, OptimConfig, StoreConfig
 from stream_ctr.store.embedding import EmbeddingStore, init_rows
 from stream_ctr.store import writeback as wb
@@ -204,10 +205,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
             keep = ~self.cache.transient[slots]
             slots, grad, counts = slots[keep], grad[keep], counts[keep]
         clip = cowclip_adam_(self.cache.weight, self.cache.exp_avg, self.cache.exp_avg_sq, slots,
-                             grad, counts, step=step, lr=optim.lr_embed, l2=optim.l2,
-                             clip_r=optim.cowclip_r, clip_zeta=optim.cowclip_zeta,
-                             clip_dims=self.dim, beta1=optim.beta1, beta2=optim.beta2,
-                             eps=optim.eps, cowclip=optim.cowclip)
+                             grad, counts, step=step, clip_dims=self.dim, **update_options(optim))
         self.cache.add_counts(slots, counts)
         return clip
 

@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +18,7 @@ import torch
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.files import FileSource, count_records, detect_format
 from stream_ctr.train.checkpoint import CheckpointState, load_checkpoint, resolve_checkpoint, save_checkpoint
-from stream_ctr.config import Config, ConfigError, validate
+from stream_ctr.config import Config, ConfigError, describe_optim, validate
 from stream_ctr.train.evaluation import Accuracy, PrequentialWindow, accuracy
 from stream_ctr.telemetry.monitor import RunMonitor
 from stream_ctr.telemetry.progress import Progress
@@ -50,6 +52,7 @@ class RunSummary:
     checkpoint: str = ""
     dead_letter_path: str = ""
     source_stats: dict = field(default_factory=dict)   # Kafka: messages, outages, lag, ...
+    optim: dict = field(default_factory=dict)          # the resolved optimizer settings
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k not in ("window", "test")}
@@ -244,7 +247,9 @@ class Run:
                               for k, v in self.window.state_dict().items()}}
         state = CheckpointState(self.trainer.step, self.total_before + self.summary.records_trained,
                                 self.positions, self.cfg.to_dict(), tensors,
-                                {"epoch": self.epoch, "source": self.cfg.data.source})
+                                {"epoch": self.epoch, "source": self.cfg.data.source,
+                                 # what the scaling rule made of cfg.optim for this batch size
+                                 "resolved_optim": dataclasses.asdict(self.trainer.optim)})
         self.summary.checkpoint = str(save_checkpoint(self.ckpt_dir, state, self.cfg.train.keep_checkpoints))
         self.monitor.on_checkpoint(time.perf_counter() - t0, self.summary.checkpoint)
         if commit and self.stream is not None:
@@ -270,8 +275,10 @@ class Run:
         s.records_rejected = sum(self.dead_letter.counts.values())
         self.dead_letter.close()
         if self.train_end < self.n_total:
-            s.test = evaluate(self.trainer, self.path, self.fmt, self.train_end, None,
-                              self.cfg.data.chunk_records).as_dict()
+            probs, labels = score(self.trainer, self.path, self.fmt, self.train_end, None,
+                                  self.cfg.data.chunk_records)
+            s.test = accuracy(probs, labels).as_dict()
+            s.test.update(bayes_of_split(self.path, labels, self.train_end))
         self.monitor.close(s.as_dict())
         self.trainer.store.close()          # a tiered store waits for its I/O and closes LMDB
         return s
@@ -287,6 +294,9 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
     and commits the group's offsets after every checkpoint.
     """
     run = Run(cfg, resume)
+    run.summary.optim = dataclasses.asdict(run.trainer.optim)
+    if show_progress:
+        print(describe_optim(run.trainer.optim), file=sys.stderr, flush=True)
     progress = Progress("train", cfg.train.log_every_s, enabled=show_progress)
     every = cfg.train.checkpoint_every_batches
     with StopSignal() as stop, run:
@@ -318,9 +328,27 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
     return run.finish(progress.elapsed_s())
 
 
+def bayes_of_split(path: Path, labels: np.ndarray, start: int) -> dict[str, float]:
+    """{"bayes_auc": ...} when `path` is a synthetic file with its true-probability sidecar
+    (`stream-ctr synth`), so a test AUC can be read against the best reachable; else {}."""
+    from stream_ctr.connectors.synth import bayes_auc, probs_path
+    sidecar = probs_path(path)
+    if not sidecar.is_file():
+        return {}
+    if np.load(sidecar, mmap_mode="r").shape[0] < start + len(labels):
+        return {}                       # a sidecar of another (shorter) file
+    return {"bayes_auc": bayes_auc(path, labels, start)}
+
+
 def evaluate(trainer: Trainer, path: Path, fmt, start_offset: int, stop_offset: int | None,
              chunk_records: int) -> Accuracy:
     """Score records [start_offset, stop_offset) without training on them."""
+    return accuracy(*score(trainer, path, fmt, start_offset, stop_offset, chunk_records))
+
+
+def score(trainer: Trainer, path: Path, fmt, start_offset: int, stop_offset: int | None,
+          chunk_records: int) -> tuple[np.ndarray, np.ndarray]:
+    """Scores and labels of records [start_offset, stop_offset), without training on them."""
     probs, labels = [], []
     with FileSource(path, fmt, start_offset=start_offset, chunk_records=chunk_records,
                     stop_offset=stop_offset) as source:
@@ -331,7 +359,7 @@ def evaluate(trainer: Trainer, path: Path, fmt, start_offset: int, stop_offset: 
                 labels.append(chunk.labels)
     if not probs:
         raise ConfigError(f"no records to evaluate in {path} from offset {start_offset}")
-    return accuracy(np.concatenate(probs), np.concatenate(labels))
+    return np.concatenate(probs), np.concatenate(labels)
 
 
 def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str, start: int = 0,

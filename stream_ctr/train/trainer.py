@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.ops.embedding_gather import gather_rows
-from stream_ctr.config import Config
+from stream_ctr.config import Config, resolve_optim
 from stream_ctr.store.embedding import EmbeddingStore
 from stream_ctr.store import build_store
 from stream_ctr.models.networks import build_model
@@ -58,7 +58,9 @@ class Trainer:
         # read_only for evaluation, which must not move or roll back any row.
         self.store = store or build_store(cfg, n_fields, self.device, read_only=read_only)
         self._next: tuple[Batch, tuple[torch.Tensor, ...]] | None = None
-        o = cfg.optim
+        # The settings this batch size trains with (scaling rule applied); every
+        # update reads these, never cfg.optim.
+        self.optim = o = resolve_optim(cfg)
         self.dense_opt = torch.optim.Adam(self.model.parameters(), lr=o.lr_dense,
                                           betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
         self.l2_params = self.model.l2_parameters()
@@ -83,9 +85,19 @@ class Trainer:
             self._dense_step(self.step + 1)
 
     def dense_lr(self, step: int) -> float:
-        """Linear warm-up to lr_dense over warmup_steps, then flat (reference/cowclip.md 2.1)."""
-        warm = self.cfg.optim.warmup_steps
-        return self.cfg.optim.lr_dense * (min(1.0, step / warm) if warm > 0 else 1.0)
+        """Linear warm-up to lr_dense over optim.warmup_samples, then flat
+        (reference/cowclip.md 2.1: the paper's ramp spans an epoch of samples whatever
+        the batch). Progress is step x data.batch_size, this step's batch included: the
+        job's step count, so every replica (idle ones too) is at the same point."""
+        warm = self.optim.warmup_samples
+        return self.optim.lr_dense * (min(1.0, step * self.optim.batch_size / warm) if warm > 0 else 1.0)
+
+    @torch.no_grad()
+    def _init_bias(self, labels: torch.Tensor) -> None:
+        """Output bias <- log-odds of the first batch's click rate (clamped away from 0 and 1),
+        so the first predictions sit at the base rate instead of 0.5."""
+        ctr = labels.float().mean().clamp(1e-4, 1 - 1e-4)
+        self.model.linear.bias.copy_(torch.log(ctr / (1 - ctr)))
 
     def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         dense = torch.from_numpy(batch.dense).to(self.device, non_blocking=True)
@@ -128,12 +140,14 @@ class Trainer:
             self._next = (upcoming, self._working_set(upcoming))
             self.store.prefetch(self._next[1][0])
         rows = self.store.weight[slots].requires_grad_()
+        if self.step == 0 and self.optim.init_bias_from_data and b:
+            self._init_bias(labels)
         t1 = time.perf_counter()
 
         # Forward on the pre-update weights (these are the prequential scores), backward.
         logits = self._forward(rows, inverse, b, dense)
         loss = F.binary_cross_entropy_with_logits(logits, labels)
-        o = self.cfg.optim
+        o = self.optim
         reg = sum((p.square().sum() for p in self.l2_params.get("linear", [])), torch.zeros((), device=self.device)) * o.l2 \
             + sum((p.square().sum() for p in self.l2_params.get("cross", [])), torch.zeros((), device=self.device)) * o.cross_l2
         self.dense_opt.zero_grad(set_to_none=True)

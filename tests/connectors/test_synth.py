@@ -4,7 +4,7 @@ import pytest
 
 from stream_ctr.connectors.files import FileSource, count_records
 from stream_ctr.connectors.formats import CRITEO
-from stream_ctr.connectors.synth import write_synthetic_criteo, zipf_ranks
+from stream_ctr.connectors.synth import bayes_auc, probs_path, write_synthetic_criteo, zipf_ranks
 
 N = 40_000
 
@@ -76,3 +76,17 @@ def _auc(labels: np.ndarray, score: np.ndarray) -> float:
     ranks = np.argsort(np.argsort(score)) + 1
     pos = labels == 1
     return (ranks[pos].sum() - pos.sum() * (pos.sum() + 1) / 2) / (pos.sum() * (~pos).sum())
+
+
+def test_synth_sidecar_holds_true_probabilities(tmp_path, synth):
+    path, batch, _ = synth
+    probs = np.load(probs_path(path))
+    assert probs.dtype == np.float32 and probs.shape == (N,)
+    assert ((probs > 0) & (probs < 1)).all()
+    # The labels were drawn from them: calibrated, and ranked well above chance.
+    assert abs(probs.mean() - batch.labels.mean()) < 0.01
+    assert 0.7 < bayes_auc(path, batch.labels) < 0.9
+    assert bayes_auc(path, batch.labels[N // 2:], start=N // 2) > 0.7
+    # A shorter file's sidecar is the prefix of a longer one's; gzip gets one too.
+    write_synthetic_criteo(tmp_path / "short.tsv.gz", 1000, seed=3, gzip=True)
+    assert (np.load(probs_path(tmp_path / "short.tsv.gz")) == probs[:1000]).all()

@@ -228,3 +228,52 @@ def test_empty_rows(impl_device):
     *out, stats = run(impl, table, batch, clip_dims=10)
     assert all(torch.equal(x, y) for x, y in zip(out, table))
     assert stats.rows_clipped.item() == 0 and stats.rows_present == 0
+
+
+# --- per-occurrence threshold units and per-row count learning rates -------------
+
+@pytest.mark.parametrize("cowclip", [True, False])
+@pytest.mark.parametrize("count_lr_s", [1.0, 4.0, 32.0])
+def test_triton_matches_reference_with_scale_and_count_lr(triton_device, cowclip, count_lr_s):
+    n, u, d = 313, 300, 11
+    table = make_table(n, d, seed=5, device=triton_device)
+    batch = make_batch(n, u, d, seed=5, device=triton_device)
+    kw = dict(step=3, l2=1e-4, clip_dims=d - 1, cowclip=cowclip, clip_scale=1 / 64,
+              count_lr_s=count_lr_s)
+    *ref, ref_stats = run(cowclip_adam_reference, table, batch, **kw)
+    *out, out_stats = run(cowclip_adam_triton, table, batch, **kw)
+    for name, r, o, atol in zip("wmv", ref, out, (1e-6, 1e-8, 1e-11)):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=atol, msg=f"{name} differs")
+    assert out_stats.rows_clipped.item() == ref_stats.rows_clipped.item()
+
+
+def test_clip_scale_divides_the_threshold(impl_device):
+    # Per-occurrence units: a mean-loss gradient g is clipped at thr / batch.
+    impl, device = impl_device
+    w = torch.tensor([[0.6, 0.8]], device=device)                  # ||w|| = 1
+    table = [w, torch.zeros_like(w), torch.zeros_like(w)]
+    g = torch.tensor([[0.03, 0.04]], device=device)                 # ||g|| = 0.05
+    batch = [torch.tensor([0], device=device), g, torch.tensor([2], device=device)]
+    *_, stats = run(impl, table, batch, clip_dims=2)                # thr 2: no clip
+    assert stats.rows_clipped.item() == 0
+    _, m, _, stats = run(impl, table, batch, clip_dims=2, clip_scale=1 / 100)   # thr 0.02
+    assert stats.rows_clipped.item() == 1
+    torch.testing.assert_close(clipped_grad(m).norm(), torch.tensor(0.02, device=device))
+
+
+def test_count_lr_multiplies_each_rows_step(impl_device):
+    from stream_ctr.ops.cowclip_adam import row_lr_multiplier
+    impl, device = impl_device
+    count = torch.tensor([1, 2, 10, 1000])
+    mult = row_lr_multiplier(count, 8.0)
+    # 1 occurrence: one base step; a few: ~count; many: at most s.
+    torch.testing.assert_close(mult, torch.tensor([1.0, 1.875, 8 * (1 - (7 / 8) ** 10), 8.0]))
+    assert torch.equal(row_lr_multiplier(count, 1.0), torch.ones(4))
+    n, d = 4, 3
+    table = make_table(n, d, seed=9, device=device)
+    batch = [torch.arange(n, device=device), torch.full((n, d), 0.1, device=device), count.to(device)]
+    w0 = table[0]
+    w1, *_ = run(impl, table, batch, clip_dims=d, cowclip=False)
+    w8, *_ = run(impl, table, batch, clip_dims=d, cowclip=False, count_lr_s=8.0)
+    torch.testing.assert_close((w8 - w0) / (w1 - w0), mult.to(device)[:, None].expand(n, d),
+                               rtol=1e-4, atol=1e-4)

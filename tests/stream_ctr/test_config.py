@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from stream_ctr.config import Config, ConfigError, load_config, scale_config, validate
+from stream_ctr.config import Config, ConfigError, load_config, resolve_optim, validate
 
 
 def test_defaults_validate():
@@ -56,15 +56,78 @@ def test_bad_toml_file(tmp_path):
         load_config(tmp_path / "missing.toml")
 
 
-def test_scaling_rule_reproduces_readme_rows():
+def _criteo_base(batch: int) -> Config:
     # reference/cowclip.md 2.4 / 6.9: Criteo base at 1K: lr 8e-4, l2 1e-5, lr_embed 1e-4.
-    base = Config()
-    base.data.batch_size, base.optim.lr_dense, base.optim.l2, base.optim.lr_embed = 1024, 8e-4, 1e-5, 1e-4
-    big = scale_config(base, 128)
-    assert big.data.batch_size == 131072
-    assert math.isclose(big.optim.lr_dense, 90.51e-4, rel_tol=1e-4)
-    assert math.isclose(big.optim.l2, 128e-5)
-    assert big.optim.lr_embed == 1e-4
-    eight = scale_config(base, 8)
-    assert math.isclose(eight.optim.lr_dense, 22.6274e-4, rel_tol=1e-5)
-    assert base.data.batch_size == 1024        # the base is not modified
+    cfg = Config()
+    cfg.optim.lr_dense, cfg.optim.l2, cfg.optim.lr_embed = 8e-4, 1e-5, 1e-4
+    cfg.optim.scale_from_batch, cfg.data.batch_size = 1024, batch
+    return cfg
+
+
+def test_scaling_rule_reproduces_readme_rows():
+    big = resolve_optim(_criteo_base(131072))
+    assert big.batch_size == 131072 and big.scale == 128
+    assert math.isclose(big.lr_dense, 90.51e-4, rel_tol=1e-4)
+    assert math.isclose(big.l2, 128e-5)
+    assert big.lr_embed == 1e-4
+    eight = resolve_optim(_criteo_base(8192))
+    assert math.isclose(eight.lr_dense, 22.6274e-4, rel_tol=1e-5)
+    base = _criteo_base(1024)
+    same = resolve_optim(base)
+    assert (same.lr_dense, same.l2, same.scale) == (8e-4, 1e-5, 1.0)
+    assert base.optim.lr_dense == 8e-4 and base.data.batch_size == 1024    # not modified
+
+
+def test_no_base_batch_means_the_configured_values():
+    cfg = Config()
+    cfg.data.batch_size = 65536
+    r = resolve_optim(cfg)
+    assert (r.lr_dense, r.l2, r.lr_embed, r.scale) == (cfg.optim.lr_dense, cfg.optim.l2, cfg.optim.lr_embed, 1.0)
+
+
+def test_warmup_covers_the_same_samples_at_every_batch():
+    from stream_ctr.train.trainer import Trainer
+    ramps = {}
+    for batch in (1024, 8192, 131072):
+        cfg = _criteo_base(batch)
+        cfg.optim.warmup_samples = 262_144
+        t = Trainer(cfg, n_fields=3, n_dense=2)
+        lrs = []
+        for samples in range(0, 400_000, 1024):     # the lr after `samples` trained ...
+            step = samples // batch                  # ... with every batch size
+            if step * batch == samples:
+                lrs.append((samples, round(t.dense_lr(step) / t.optim.lr_dense, 12)))
+        ramps[batch] = dict(lrs)
+    for samples, frac in ramps[131072].items():
+        assert ramps[1024][samples] == ramps[8192][samples] == frac == min(1.0, samples / 262_144)
+    assert len(ramps[131072]) == 4 and ramps[1024][131072] == 0.5
+
+
+def test_legacy_warmup_steps_become_samples():
+    cfg = Config.from_dict({"data": {"batch_size": 512}, "optim": {"warmup_steps": 20}})
+    assert cfg.optim.warmup_samples == 20 * 512
+
+
+def test_scaling_options_are_validated():
+    for option, value, match in (("optim.warmup_samples", -1, "warmup_samples"),
+                                 ("optim.scale_from_batch", -5, "scale-from"),
+                                 ("optim.cowclip_units", "sum", "cowclip_units"),
+                                 ("optim.embed_lr_rule", "linear", "embed_lr_rule"),
+                                 ("optim.embed_lr_rule", "count", "scale_from_batch")):
+        cfg = Config()
+        setattr(cfg.optim, option.split(".")[1], value)
+        with pytest.raises(ConfigError, match=match):
+            validate(cfg)
+
+
+def test_resolved_kernel_factors():
+    cfg = _criteo_base(32768)
+    cfg.optim.cowclip_units, cfg.optim.embed_lr_rule = "occurrence", "count"
+    r = resolve_optim(cfg)
+    assert r.clip_scale == 1 / 32768 and r.count_lr_s == 32
+    cfg.optim.embed_lr_max_scale = 8
+    assert resolve_optim(cfg).count_lr_s == 8
+    cfg.optim.embed_lr_max_scale = 0
+    cfg.optim.cowclip_units, cfg.optim.embed_lr_rule = "mean", "constant"
+    r = resolve_optim(cfg)
+    assert r.clip_scale == 1.0 and r.count_lr_s == 1.0

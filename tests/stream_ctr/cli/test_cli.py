@@ -93,8 +93,13 @@ def test_synth_writes_decodable_file(tmp_path):
     path = tmp_path / "s.tsv"
     out = run("synth", str(path), "--records", "5000", "--json")
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1])["records"] == 5000
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["records"] == 5000
     assert sum(1 for _ in open(path)) == 5000
+    # The sidecar: each row's true click probability (connectors/synth.py).
+    import numpy as np
+    probs = np.load(summary["probs"])
+    assert summary["probs"] == str(path) + ".probs.npy" and probs.shape == (5000,)
 
 
 def test_version_is_the_installed_distributions():
@@ -131,3 +136,26 @@ def test_config_example_loads_and_trains_as_printed(tmp_path):
     cfg = validate(load_config(tmp_path / "c.toml"))
     assert cfg.data.source == "criteo:sample" and cfg.store.cache_bytes == 256 << 20
     assert run("config", "example").stdout == (tmp_path / "c.toml").read_text()
+
+
+def test_scale_from_resolves_for_the_batch_that_trains(tmp_path):
+    # --batch-size is the batch that trains; --scale-from names the batch the configured
+    # rates are for: s = 256 / 64 = 4 -> lr_dense x 2, l2 x 4, lr_embed kept.
+    run_dir = tmp_path / "run"
+    out = run("train", "criteo:sample", "--batch-size", "256", "--scale-from", "64", "--limit", "2048",
+              "--set", "optim.lr_dense=1e-3", "--set", "optim.l2=1e-5", "--set", "optim.lr_embed=1e-4",
+              "--set", "optim.warmup_samples=4096", "--threads", "1", "--run-dir", str(run_dir), "--json")
+    assert out.returncode == 0, out.stderr
+    assert "optim: batch 256 = 4 x base 64: lr_dense 0.002" in out.stderr     # printed at start
+    assert "warm-up 4,096 samples (16 steps)" in out.stderr
+    resolved = json.loads(out.stdout.strip().splitlines()[-1])["optim"]
+    assert resolved["batch_size"] == 256 and resolved["scale"] == 4
+    assert abs(resolved["lr_dense"] - 2e-3) < 1e-12 and abs(resolved["l2"] - 4e-5) < 1e-15
+    assert resolved["lr_embed"] == 1e-4
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "LATEST").read_text()
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["extra"]["resolved_optim"] == resolved
+    assert state["config"]["optim"]["lr_dense"] == 1e-3          # the base values, as configured
+    assert state["config"]["optim"]["scale_from_batch"] == 64
+    gone = run("train", "--scale", "4", "--run-dir", str(tmp_path / "never"))
+    assert gone.returncode == 2 and "--scale was removed" in gone.stderr and "--scale-from" in gone.stderr
