@@ -164,6 +164,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     add_bench_kernels_parser(bsub, _add_common)
     from stream_ctr.bench.step import add_bench_step_parser
     add_bench_step_parser(bsub, _add_common)
+    from stream_ctr.bench.scaling import add_bench_scaling_parser
+    add_bench_scaling_parser(bsub, _add_common)
 
 
 def _report_parser(sub: argparse._SubParsersAction) -> None:

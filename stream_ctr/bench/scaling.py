@@ -1,0 +1,251 @@
+"""`stream-ctr bench scaling`: does a larger batch learn as well as a small one, on your data?
+
+For every (rule, batch, seed) the same records train a fresh model and the
+held-out tail (the last `holdout_fraction` of the file) is scored; the table
+gives test AUC (mean and range over seeds), its gap to the smallest batch of
+the same rule, steps, samples/s, the share of present embedding rows CowClip
+clipped, and calibration. A PNG plots AUC against batch, one line per rule.
+
+Two protocols:
+  * single pass (`--epochs 1`, the default): the streaming case, every record
+    seen once, so a batch s times larger takes s times fewer steps;
+  * N epochs over the same records (`--epochs N`): the paper's protocol.
+
+Rules (s = batch / --base-batch; the configured optimizer values are those of
+the base batch):
+  none     every value as configured, at every batch;
+  sqrt     both learning rates x sqrt(s); L2 and CowClip as configured;
+  linear   both learning rates x s;
+  cowclip  the product's rule (`stream-ctr train --scale-from BASE`, see README).
+
+When the source has the true click probability of every row beside it (a
+`stream-ctr synth` sidecar), the Bayes AUC of the held-out rows is printed
+and every cell's gap to it. Results are appended to OUT/results.jsonl as each
+run ends; a study started again with the same OUT skips the cells it has.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from stream_ctr.config import Config, validate
+
+RULES = ("none", "sqrt", "linear", "cowclip")
+
+
+def add_bench_scaling_parser(bsub: argparse._SubParsersAction, add_common) -> None:
+    b = bsub.add_parser("scaling", help="test AUC per batch size and scaling rule (table + PNG)",
+                        description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("source", help="criteo:PATH, avazu:PATH or a path (e.g. from `stream-ctr synth`)")
+    b.add_argument("--batches", default="1024,8192,32768,131072", help="batch sizes, comma-separated")
+    b.add_argument("--rules", default="none,cowclip", help=f"comma-separated, of {', '.join(RULES)}")
+    b.add_argument("--seeds", type=int, default=3, help="seeds per cell (default 3)")
+    b.add_argument("--epochs", type=int, default=1, help="1 = single pass (default); N = the paper's protocol")
+    b.add_argument("--base-batch", type=int, default=1024, help="the batch the configured lr/L2 are for")
+    b.add_argument("--holdout-fraction", type=float, default=0.1, help="held-out tail (default 0.1)")
+    b.add_argument("--limit", type=int, default=0, help="train on at most N records (0: all before the tail)")
+    b.add_argument("--out", default="runs/scaling", help="results.jsonl, table.txt, auc_vs_batch.png")
+    b.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    b.add_argument("--config", help="base TOML config (the optimizer values of --base-batch)")
+    b.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE",
+                   help="override a base config option (repeatable)")
+    add_common(b)
+    b.set_defaults(func=cmd_bench_scaling)
+
+
+def cmd_bench_scaling(args: argparse.Namespace) -> tuple[dict, str]:
+    """The bench command: prints the table; returns (JSON summary, one line) for the CLI to emit."""
+    from stream_ctr.config import ConfigError, load_config
+    base = load_config(args.config, args.set)
+    base.data.source = args.source
+    base.data.epochs = args.epochs
+    base.data.holdout_fraction = args.holdout_fraction
+    base.data.limit_records = args.limit
+    base.train.threads = args.threads
+    base.metrics.timeseries_every_s = 0.0
+    batches = [int(x) for x in args.batches.split(",") if x]
+    rules = [r for r in args.rules.split(",") if r]
+    if not batches or min(batches) < 1 or args.seeds < 1 or args.base_batch < 1:
+        raise ConfigError("bench scaling: --batches, --seeds and --base-batch must be >= 1")
+    unknown = [r for r in rules if r not in RULES]
+    if unknown or not rules:
+        raise ConfigError(f"bench scaling: unknown rule(s) {unknown} (known: {', '.join(RULES)})")
+    summary = study(validate(base), sorted(batches), rules, args.seeds, args.base_batch,
+                    Path(args.out), show_progress=not args.quiet)
+    if not args.json:
+        print(format_scaling_table(summary))
+    return ({"bench": "scaling", **{k: v for k, v in summary.items() if k != "rows"}},
+            f"bench scaling: {len(summary['rows'])} runs; table {Path(args.out) / 'table.txt'}, "
+            f"plot {summary['png']}")
+
+
+def rule_config(base: Config, rule: str, batch_size: int, base_batch: int) -> Config:
+    """The config that trains `batch_size` under `rule`, from the base batch's values."""
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r} (known: {', '.join(RULES)})")
+    cfg = Config.from_dict(base.to_dict())
+    cfg.data.batch_size = batch_size
+    s = batch_size / base_batch
+    if rule == "sqrt":
+        cfg.optim.lr_dense *= math.sqrt(s)
+        cfg.optim.lr_embed *= math.sqrt(s)
+    elif rule == "linear":
+        cfg.optim.lr_dense *= s
+        cfg.optim.lr_embed *= s
+    elif rule == "cowclip":
+        cfg.optim.scale_from_batch = base_batch
+    if rule != "cowclip":
+        cfg.optim.scale_from_batch = 0
+    return validate(cfg)
+
+
+def run_cell(base: Config, rule: str, batch_size: int, base_batch: int, seed: int,
+             work_dir: Path) -> dict:
+    from stream_ctr.train.loop import train      # torch: imported when a study runs, not at parse
+    cfg = rule_config(base, rule, batch_size, base_batch)
+    cfg.train.seed = seed
+    cfg.train.run_dir = str(work_dir / f"{rule}-{batch_size}-{seed}")
+    t0 = time.perf_counter()
+    s = train(cfg, show_progress=False)
+    shutil.rmtree(cfg.train.run_dir, ignore_errors=True)      # a study keeps numbers, not models
+    return {"rule": rule, "batch": batch_size, "seed": seed, "auc": s.test.get("auc", float("nan")),
+            "logloss": s.test.get("logloss", float("nan")),
+            "calibration": s.test.get("calibration", float("nan")),
+            "test_records": s.test.get("records", 0), "records": s.records_trained, "steps": s.batches,
+            "samples_per_s": s.samples_per_s, "clipped_row_fraction": s.clipped_row_fraction,
+            # what the rule made of the optimizer for this batch (after --scale-from)
+            "lr_dense": s.optim.get("lr_dense"), "lr_embed": s.optim.get("lr_embed"), "l2": s.optim.get("l2"),
+            "epochs": cfg.data.epochs, "bayes_auc": s.test.get("bayes_auc"),
+            "seconds": time.perf_counter() - t0}
+
+
+def study(base: Config, batches: list[int], rules: list[str], seeds: int, base_batch: int,
+          out_dir: Path, show_progress: bool = True) -> dict:
+    """Run every missing (rule, batch, seed) cell; returns the summary of all of them."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results_path = out_dir / "results.jsonl"
+    done = _load(results_path, base)
+    for rule in rules:
+        rule_config(base, rule, batches[0], base_batch)       # a bad rule fails before any run
+    for rule in rules:
+        for batch in batches:
+            for seed in range(seeds):
+                key = (rule, batch, seed)
+                if key in done:
+                    continue
+                row = run_cell(base, rule, batch, base_batch, base.train.seed + seed, out_dir / "work")
+                row["study"] = _study_key(base)
+                done[key] = row
+                with open(results_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                if show_progress:
+                    print(f"bench scaling: {rule} batch {batch:,} seed {seed}: test AUC {row['auc']:.4f} "
+                          f"in {row['steps']:,} steps, {row['samples_per_s']:,.0f} samples/s, "
+                          f"clipped {row['clipped_row_fraction']:.2%}", file=sys.stderr, flush=True)
+    rows = [done[(r, b, s)] for r in rules for b in batches for s in range(seeds)]
+    bayes = next((r["bayes_auc"] for r in rows if r.get("bayes_auc") is not None), None)
+    summary = {"source": base.data.source, "epochs": base.data.epochs, "base_batch": base_batch,
+               "seeds": seeds, "bayes_auc": bayes, "cells": summarize(rows, bayes), "rows": rows}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out_dir / "table.txt").write_text(format_scaling_table(summary) + "\n")
+    summary["png"] = str(plot_scaling(summary, out_dir / "auc_vs_batch.png"))
+    return summary
+
+
+def summarize(rows: list[dict], bayes: float | None) -> list[dict]:
+    """One cell per (rule, batch): AUC mean/min/max over seeds and its gaps."""
+    cells: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["rule"], r["batch"]), []).append(r)
+    out = []
+    for (rule, batch), rs in cells.items():
+        aucs = np.array([r["auc"] for r in rs])
+        out.append({"rule": rule, "batch": batch, "auc_mean": float(aucs.mean()),
+                    "auc_min": float(aucs.min()), "auc_max": float(aucs.max()), "seeds": len(rs),
+                    "steps": rs[0]["steps"], "samples_per_s": float(np.median([r["samples_per_s"] for r in rs])),
+                    "clipped_row_fraction": float(np.mean([r["clipped_row_fraction"] for r in rs])),
+                    "calibration": float(np.mean([r["calibration"] for r in rs])),
+                    "gap_to_bayes": None if bayes is None else float(bayes - aucs.mean())})
+    for c in out:
+        smallest = min((o for o in out if o["rule"] == c["rule"]), key=lambda o: o["batch"])
+        c["gap_to_smallest"] = smallest["auc_mean"] - c["auc_mean"]
+    return out
+
+
+def format_scaling_table(summary: dict) -> str:
+    bayes = summary["bayes_auc"]
+    head = (f"{summary['source']}: {summary['epochs']} epoch(s), {summary['seeds']} seed(s), "
+            f"base batch {summary['base_batch']:,}"
+            + (f"; Bayes AUC of the held-out rows {bayes:.4f}" if bayes is not None else ""))
+    cols = ["rule", "batch", "test AUC mean [min, max]", "vs smallest (pt)", "steps", "samples/s",
+            "clipped rows", "calibration"] + (["gap to Bayes (pt)"] if bayes is not None else [])
+    table = [cols]
+    for c in summary["cells"]:
+        row = [c["rule"], f"{c['batch']:,}",
+               f"{c['auc_mean']:.4f} [{c['auc_min']:.4f}, {c['auc_max']:.4f}]",
+               f"{0.0 - 100 * c['gap_to_smallest']:+.2f}", f"{c['steps']:,}", f"{c['samples_per_s']:,.0f}",
+               f"{c['clipped_row_fraction']:.2%}", f"{c['calibration']:.3f}"]
+        if bayes is not None:
+            row.append(f"{100 * c['gap_to_bayes']:.2f}")
+        table.append(row)
+    widths = [max(len(r[i]) for r in table) for i in range(len(cols))]
+    lines = [" | ".join(v.rjust(w) for v, w in zip(r, widths)) for r in table]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return head + "\n" + "\n".join(lines)
+
+
+def plot_scaling(summary: dict, path: Path) -> Path:
+    """AUC against batch (log scale), one line per rule with the seeds' range as error bars."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for rule in dict.fromkeys(c["rule"] for c in summary["cells"]):
+        cs = sorted((c for c in summary["cells"] if c["rule"] == rule), key=lambda c: c["batch"])
+        x = [c["batch"] for c in cs]
+        y = np.array([c["auc_mean"] for c in cs])
+        err = np.array([[m - c["auc_min"] for c, m in zip(cs, y)], [c["auc_max"] - m for c, m in zip(cs, y)]])
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=rule)
+    if summary["bayes_auc"] is not None:
+        ax.axhline(summary["bayes_auc"], color="grey", linestyle="--", label="Bayes (true probabilities)")
+    ax.set_xscale("log", base=2)
+    batches = sorted({c["batch"] for c in summary["cells"]})
+    ax.set_xticks(batches, [f"{b // 1024}K" if b % 1024 == 0 else f"{b:,}" for b in batches])
+    ax.minorticks_off()
+    ax.set_xlabel("batch size (records per step)")
+    ax.set_ylabel("test AUC (held-out tail)")
+    ax.set_title(f"{Path(summary['source']).name}: {summary['epochs']} epoch(s), "
+                 f"{summary['seeds']} seed(s) per point")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _study_key(base: Config) -> dict:
+    """What makes two studies' cells comparable (everything but the rule, batch and seed)."""
+    d = base.to_dict()
+    d["train"] = {k: v for k, v in d["train"].items() if k not in ("run_dir", "seed", "threads")}
+    return json.loads(json.dumps({"config": d}))       # as it reads back (tuples become lists)
+
+
+def _load(path: Path, base: Config) -> dict[tuple[str, int, int], dict]:
+    if not path.exists():
+        return {}
+    key = _study_key(base)
+    done = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("study") == key:
+            done[(row["rule"], row["batch"], row["seed"] - base.train.seed)] = row
+    return done
