@@ -16,7 +16,9 @@ the base batch):
   none     every value as configured, at every batch;
   sqrt     both learning rates x sqrt(s); L2 and CowClip as configured;
   linear   both learning rates x s;
-  cowclip  the product's rule (`stream-ctr train --scale-from BASE`, see README).
+  cowclip  the product's rule (`stream-ctr train --scale-from BASE`, see README),
+           with whatever optim.* options the base config sets (e.g. the per-row
+           count rule); the three baselines always use one embedding lr for every row.
 
 When the source has the true click probability of every row beside it (a
 `stream-ctr synth` sidecar), the Bayes AUC of the held-out rows is printed
@@ -78,7 +80,7 @@ def cmd_bench_scaling(args: argparse.Namespace) -> tuple[dict, str]:
     unknown = [r for r in rules if r not in RULES]
     if unknown or not rules:
         raise ConfigError(f"bench scaling: unknown rule(s) {unknown} (known: {', '.join(RULES)})")
-    summary = study(validate(base), sorted(batches), rules, args.seeds, args.base_batch,
+    summary = study(base, sorted(batches), rules, args.seeds, args.base_batch,
                     Path(args.out), show_progress=not args.quiet)
     if not args.json:
         print(format_scaling_table(summary))
@@ -102,8 +104,9 @@ def rule_config(base: Config, rule: str, batch_size: int, base_batch: int) -> Co
         cfg.optim.lr_embed *= s
     elif rule == "cowclip":
         cfg.optim.scale_from_batch = base_batch
-    if rule != "cowclip":
+    if rule != "cowclip":             # the baselines use no part of the product's rule
         cfg.optim.scale_from_batch = 0
+        cfg.optim.embed_lr_rule = "constant"
     return validate(cfg)
 
 
