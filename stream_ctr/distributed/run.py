@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +134,14 @@ class DistributedRun(Run):
         self.merger.broadcast_from(0)
         if self.merger.node_group is not None:      # hierarchical: synchronous inside a node
             self.trainer.reduce_dense_grads = self.merger.reduce_gradients
+            if self.trainer.optim.init_bias_from_data:
+                # Each rank's first batch has its own click rate, and a node's replicas
+                # only ever average gradients, so different starting biases would never
+                # meet. (k-step replicas are averaged at every merge: they keep it.)
+                self.trainer.optim = dataclasses.replace(self.trainer.optim, init_bias_from_data=False)
+                if ctx.is_main:
+                    print("stream-ctr: optim.init_bias_from_data is off in hierarchical mode "
+                          "(a node's replicas must start from the same output bias)", file=sys.stderr)
         self.summary = DistributedSummary(dead_letter_path=self.summary.dead_letter_path,
                                           world_size=ctx.world_size)
         self.checkpoint_wanted = False    # a Kafka rebalance asks for a job checkpoint
@@ -430,7 +439,6 @@ def train_distributed(cfg: Config, resume: str | None = None,
 def launch_local(nproc: int, argv: list[str]) -> int:
     """`stream-ctr train --distributed` without torchrun: start `nproc` ranks on this
     machine through torchrun's launcher (loopback rendezvous); blocks until they end."""
-    import sys
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
     from stream_ctr.config import ConfigError

@@ -113,11 +113,21 @@ def test_scaling_options_are_validated():
                                  ("optim.scale_from_batch", -5, "scale-from"),
                                  ("optim.cowclip_units", "sum", "cowclip_units"),
                                  ("optim.embed_lr_rule", "linear", "embed_lr_rule"),
+                                 ("optim.l2_rule", "sqrt", "l2_rule"),
                                  ("optim.embed_lr_rule", "count", "scale_from_batch")):
         cfg = Config()
         setattr(cfg.optim, option.split(".")[1], value)
         with pytest.raises(ConfigError, match=match):
             validate(cfg)
+
+
+def test_l2_rule_constant_keeps_the_base_l2():
+    cfg = _criteo_base(131072)
+    cfg.optim.l2_rule = "constant"
+    r = resolve_optim(cfg)
+    assert r.l2 == 1e-5 and math.isclose(r.lr_dense, 90.51e-4, rel_tol=1e-4)
+    cfg.optim.l2_rule = "scaled"
+    assert math.isclose(resolve_optim(cfg).l2, 128e-5)
 
 
 def test_resolved_kernel_factors():
