@@ -118,6 +118,16 @@ def rows() -> list[tuple[str, list[dict]]]:
                 (f"sum(rate(stream_ctr_embedding_expired_total{S}{RI}))", "expired (TTL)"),
                 (f"sum(rate(stream_ctr_embedding_rows_clipped_total{S}{RI}))", "CowClip clipped")],
                 "short", w=6),
+            panel("timeseries", "CowClip: clipped share and ||gradient|| / threshold", [
+                (f"1 - sum(rate(stream_ctr_cowclip_gradient_threshold_ratio_bucket{{job=~\"$job\", rank=~\"$rank\", le=\"1.0\"}}{RI}))"
+                 f" / sum(rate(stream_ctr_cowclip_gradient_threshold_ratio_count{S}{RI}))", "clipped share"),
+                (f"histogram_quantile(0.5, sum by (le) (rate(stream_ctr_cowclip_gradient_threshold_ratio_bucket{S}{RI})))",
+                 "ratio p50"),
+                (f"histogram_quantile(0.99, sum by (le) (rate(stream_ctr_cowclip_gradient_threshold_ratio_bucket{S}{RI})))",
+                 "ratio p99")],
+                "short", w=12, description="Share of present embedding rows CowClip clipped, and quantiles "
+                "of each row's gradient norm over its threshold (clipped above 1). Near 0 everywhere: "
+                "the clip never binds and acts only through the learning-rate rule (README, large batches)."),
         ]),
         ("Merges and checkpoints", [
             panel("stat", "Last checkpoint age", [

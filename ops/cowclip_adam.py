@@ -53,6 +53,14 @@ triton = None
 tl = None
 
 
+# Buckets of the per-row ratio ||gradient|| / threshold (a row is clipped when it is
+# > 1): powers of 4 from 4**-7 (~6e-5) to 4**3 = 64, because in mean-loss units the
+# ratio sits near count/batch of a per-occurrence one (1e-4 at 32K) and in
+# occurrence units near 1-100; one grid has to show both.
+CLIP_RATIO_LOG2_EDGES = tuple(range(-14, 7, 2))
+CLIP_RATIO_EDGES = tuple(2.0**k for k in CLIP_RATIO_LOG2_EDGES)
+
+
 @dataclass(frozen=True)
 class ClipStats:
     """CowClip diagnostics of one update (cowclip.md 6.10).
@@ -62,11 +70,16 @@ class ClipStats:
     0-dim tensors on the table's device, so reading them is the caller's
     sync point, not the op's. Both are 0 when `cowclip=False`.
     `rows_present` is the number of rows updated (known on the host).
+    `ratio_le[i]` counts the present rows whose ||g|| / threshold is <= CLIP_RATIO_EDGES[i]
+    (int64 [len(CLIP_RATIO_EDGES)], cumulative as a Prometheus histogram's buckets) and
+    `ratio_sum` is the sum of the ratios (float32 0-dim); None without cowclip.
     """
 
     rows_clipped: torch.Tensor
     rows_at_floor: torch.Tensor
     rows_present: int
+    ratio_le: torch.Tensor | None = None
+    ratio_sum: torch.Tensor | None = None
 
     def clipped_fraction(self) -> torch.Tensor:
         """Fraction of present rows that were clipped, a float32 0-dim tensor (0 when none present)."""
@@ -164,6 +177,22 @@ def clip_rows_reference(
     `count`: integer [U]; `clip_scale` multiplies the threshold. Returns `(g_clipped [U, D], clipped bool [U],
     at_floor bool [U])`; only the first `clip_dims` columns are scaled.
     """
+    g_clipped, clipped, at_floor, _ = _clip_rows(w, g, count, clip_r=clip_r, clip_zeta=clip_zeta,
+                                                 clip_dims=clip_dims, clip_scale=clip_scale)
+    return g_clipped, clipped, at_floor
+
+
+def clip_ratio_stats(ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`ratio_le` int64 [edges], `ratio_sum` float32 0-dim) of per-row ratios [U].
+
+    Compared in log2, as the kernel does, so both count a row on the same side of an edge."""
+    log2r = torch.log2(ratio)
+    edges = torch.tensor(CLIP_RATIO_LOG2_EDGES, dtype=ratio.dtype, device=ratio.device)
+    return (log2r[:, None] <= edges[None, :]).sum(0), torch.where(ratio < math.inf, ratio, 0.0).sum()
+
+
+def _clip_rows(w, g, count, *, clip_r, clip_zeta, clip_dims, clip_scale):
+    """`clip_rows_reference` plus each row's ||g|| / threshold."""
     lower = clip_r * math.sqrt(clip_dims) * clip_zeta
     w_norm = torch.linalg.vector_norm(w[:, :clip_dims], dim=1)
     g_norm = torch.linalg.vector_norm(g[:, :clip_dims], dim=1)
@@ -172,7 +201,10 @@ def clip_rows_reference(
     scale = torch.where(clipped, thr / torch.where(clipped, g_norm, 1.0), 1.0)
     g_clipped = g.clone()
     g_clipped[:, :clip_dims] *= scale[:, None]
-    return g_clipped, clipped, w_norm < lower
+    # thr is 0 only with zeta = 0 on an all-zero row: such a row with a gradient is cut to 0.
+    ratio = torch.where(thr > 0, g_norm / torch.where(thr > 0, thr, 1.0),
+                        torch.where(g_norm > 0, math.inf, 0.0))
+    return g_clipped, clipped, w_norm < lower, ratio
 
 
 def cowclip_adam_reference(
@@ -196,10 +228,10 @@ def cowclip_adam_reference(
     g = grad + (2.0 * l2) * w
     stats = _zero_stats(weight.device, rows.numel())
     if cowclip:
-        g, clipped, at_floor = clip_rows_reference(
+        g, clipped, at_floor, ratio = _clip_rows(
             w, g, count, clip_r=clip_r, clip_zeta=clip_zeta, clip_dims=clip_dims,
             clip_scale=clip_scale)
-        stats = ClipStats(clipped.sum(), at_floor.sum(), rows.numel())
+        stats = ClipStats(clipped.sum(), at_floor.sum(), rows.numel(), *clip_ratio_stats(ratio))
 
     step_size, bc2_sqrt = _bias_corrections(lr, beta1, beta2, step)
     m = beta1 * m + (1.0 - beta1) * g
@@ -241,29 +273,36 @@ def cowclip_adam_triton(
     grad = grad.contiguous()
     count = count.contiguous()
     stats = torch.zeros(2, dtype=torch.int32, device=weight.device)
+    ratio_le = torch.zeros(len(CLIP_RATIO_LOG2_EDGES), dtype=torch.int32, device=weight.device)
+    ratio_sum = torch.zeros(1, dtype=torch.float32, device=weight.device)
 
     kernel = _build_kernel()
     step_size, bc2_sqrt = _bias_corrections(lr, beta1, beta2, step)
     block_d = triton.next_power_of_2(d)
     block_r = max(1, min(64, 4096 // block_d))
     kernel[(triton.cdiv(u, block_r),)](
-        weight, exp_avg, exp_avg_sq, rows.contiguous(), grad, count, stats,
+        weight, exp_avg, exp_avg_sq, rows.contiguous(), grad, count, stats, ratio_le, ratio_sum,
         u, d, clip_dims if cowclip else d,
         2.0 * l2, clip_scale * clip_r, clip_r * math.sqrt(clip_dims) * clip_zeta,
         beta1, 1.0 - beta1, beta2, 1.0 - beta2, step_size, bc2_sqrt, eps,
         float(count_lr_s), math.log1p(-1.0 / count_lr_s) if count_lr_s > 1.0 else 0.0,
         COWCLIP=cowclip, COUNT_LR=count_lr_s > 1.0, BLOCK_R=block_r, BLOCK_D=block_d,
+        N_RATIO=len(CLIP_RATIO_LOG2_EDGES), RATIO_LOG2_LO=CLIP_RATIO_LOG2_EDGES[0],
+        RATIO_LOG2_STEP=CLIP_RATIO_LOG2_EDGES[1] - CLIP_RATIO_LOG2_EDGES[0],
     )
     stats = stats.to(torch.int64)
-    return ClipStats(stats[0], stats[1], u)
+    if not cowclip:
+        return ClipStats(stats[0], stats[1], u)
+    return ClipStats(stats[0], stats[1], u, ratio_le.to(torch.int64), ratio_sum[0])
 
 
 def _cowclip_adam_kernel(
-    w_ptr, m_ptr, v_ptr, rows_ptr, g_ptr, cnt_ptr, stats_ptr,
+    w_ptr, m_ptr, v_ptr, rows_ptr, g_ptr, cnt_ptr, stats_ptr, ratio_le_ptr, ratio_sum_ptr,
     n_rows, D, clip_dims,
     two_l2, clip_r, lower, beta1, one_minus_beta1, beta2, one_minus_beta2,
     step_size, bc2_sqrt, eps, count_lr_s, count_lr_log_keep,
     COWCLIP: tl.constexpr, COUNT_LR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    N_RATIO: tl.constexpr, RATIO_LOG2_LO: tl.constexpr, RATIO_LOG2_STEP: tl.constexpr,
 ):
     # clip_r here is clip_scale * r (the threshold's factor); lower uses the bare r.
     # Rows r of this program (int64: table offsets can pass 2**31), all columns.
@@ -291,6 +330,16 @@ def _cowclip_adam_kernel(
         g = tl.where(in_clip, g * scale[:, None], g)
         tl.atomic_add(stats_ptr, tl.sum(clipped.to(tl.int32), axis=0))
         tl.atomic_add(stats_ptr + 1, tl.sum((row_ok & (w_norm < lower)).to(tl.int32), axis=0))
+        # The ratio histogram (cumulative, like Prometheus buckets); padded rows count nowhere.
+        # thr is 0 only with zeta = 0 on an all-zero row (cut to 0 if it has a gradient).
+        ratio = tl.where(thr > 0, g_norm / tl.where(thr > 0, thr, 1.0),
+                         tl.where(g_norm > 0, float("inf"), 0.0))
+        ratio = tl.where(row_ok, ratio, 0.0)
+        tl.atomic_add(ratio_sum_ptr, tl.sum(tl.where(ratio < float("inf"), ratio, 0.0), axis=0))
+        log2r = tl.log2(ratio)
+        for i in tl.static_range(N_RATIO):
+            le = row_ok & (log2r <= RATIO_LOG2_LO + i * RATIO_LOG2_STEP)
+            tl.atomic_add(ratio_le_ptr + i, tl.sum(le.to(tl.int32), axis=0))
 
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * (g * g)

@@ -58,6 +58,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
           "Wall time of one batch's phases: decode, prepare (working set), forward_backward, "
           "update, merge, checkpoint."),
     _spec("embedding_rows_clipped_total", "counter", R, "Embedding rows whose gradient CowClip clipped."),
+    _spec("cowclip_gradient_threshold_ratio", "histogram", R,
+          "Per embedding row present in a batch: ||gradient|| / CowClip threshold (clipped "
+          "when > 1); _count is every present row, so 1 - bucket{le=\"1\"} / _count is the "
+          "clipped share."),
     # quality
     _spec("prequential_auc", "gauge", R, "AUC of the sliding prequential window (scored before training)."),
     _spec("prequential_logloss", "gauge", R, "Mean logloss (nats) of the sliding prequential window."),

@@ -30,7 +30,8 @@ import sys
 import types
 from typing import Any, Callable, Iterator, Mapping
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from stream_ctr.telemetry.catalogue import SPECS, NAMESPACE, MetricSpec
@@ -42,7 +43,7 @@ TIER_KEYS = ("rows", "bytes", "capacity_bytes", "lookups", "hits", "evictions")
 def family(short: str) -> CounterMetricFamily | GaugeMetricFamily:
     """An empty family for ``stream_ctr_<short>`` with its catalogue labels and help."""
     s: MetricSpec = SPECS[f"{NAMESPACE}_{short}"]
-    cls = CounterMetricFamily if s.kind == "counter" else GaugeMetricFamily
+    cls = {"counter": CounterMetricFamily, "histogram": HistogramMetricFamily}.get(s.kind, GaugeMetricFamily)
     return cls(s.name, s.help, labels=list(s.labels))
 
 
@@ -170,7 +171,8 @@ class RunCollector(Collector):
 
     SHORTS = ("event_freshness_seconds", "last_checkpoint_age_seconds", "last_merge_age_seconds",
               "prequential_records_total", "prequential_logloss_sum_total",
-              "prequential_predicted_clicks_total", "prequential_clicks_total")
+              "prequential_predicted_clicks_total", "prequential_clicks_total",
+              "cowclip_gradient_threshold_ratio")
     TOTALS = (("total_records", "prequential_records_total"),
                ("total_logloss_sum", "prequential_logloss_sum_total"),
                ("total_prob_sum", "prequential_predicted_clicks_total"),
@@ -197,6 +199,11 @@ class RunCollector(Collector):
         if self.window is not None:
             for attr, short in self.TOTALS:        # per process, like every other counter
                 fams[short].add_metric(r, float(getattr(self.window, attr)) - self.baseline.get(attr, 0.0))
+        ratio = m.clip_ratio
+        if ratio.rows:                             # pre-bucketed by the update kernel
+            buckets = [(floatToGoString(e), float(n)) for e, n in zip(ratio.edges, ratio.le.tolist())]
+            fams["cowclip_gradient_threshold_ratio"].add_metric(
+                r, buckets + [("+Inf", float(ratio.rows))], ratio.sum)
         return iter(fams.values())
 
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from stream_ctr.ops.cowclip_adam import CLIP_RATIO_EDGES
 from stream_ctr.telemetry import collectors as mc
 from stream_ctr.telemetry.catalogue import (CATALOGUE, MetricSpec, NAMESPACE, PHASES, PHASE_BUCKETS_S, RATE_STALE_S, SKIP_NONFINITE)
 
@@ -59,6 +60,7 @@ class TrainerMetrics:
         self.accuracy: dict[str, float] = {}
         self.skipped_batches = 0
         self.rejected = 0
+        self.clip_ratio = ClipRatioTally()
         self._store = mc.StoreCollector(self.rank)
         self._source = mc.SourceCollector(self.rank)
         self._run = mc.RunCollector(self)
@@ -138,10 +140,12 @@ class TrainerMetrics:
 
     def observe_batch(self, n_records: int, skipped: bool, phase_s: Mapping[str, float],
                       rows_clipped: int = 0, event_time_ms: np.ndarray | None = None,
-                      accuracy: Mapping[str, float] | None = None, rows_touched: int = 0) -> None:
+                      accuracy: Mapping[str, float] | None = None, rows_touched: int = 0,
+                      clip_ratio: tuple[np.ndarray, float, int] | None = None) -> None:
         """One micro-batch stepped: its size, whether its update was skipped, phase
         timings, CowClip's clipped rows, its event times, the window accuracy after
-        it, and its working-set size (unique keys)."""
+        it, its working-set size (unique keys), and CowClip's ratio histogram
+        (cumulative counts per edge, sum of ratios, rows) when it clipped."""
         r = self.rank
         self._metric("batches_trained_total").labels(rank=r).inc()
         if skipped:
@@ -151,6 +155,8 @@ class TrainerMetrics:
         self.records_trained += n_records
         if rows_clipped:
             self._metric("embedding_rows_clipped_total").labels(rank=r).inc(rows_clipped)
+        if clip_ratio is not None:
+            self.clip_ratio.add(*clip_ratio)
         for phase, seconds in phase_s.items():
             self.observe_phase(phase, seconds)
         if event_time_ms is not None and len(event_time_ms):
@@ -232,6 +238,22 @@ class TrainerMetrics:
             "tiers": {t: {k: s.get(k) for k in ("lookups", "hits", "rows", "bytes")}
                       for t, s in tiers.items()},
         }
+
+
+class ClipRatioTally:
+    """The run's CowClip ratio histogram, as the update kernel buckets it (exported by
+    `RunCollector`: a prometheus_client Histogram can only observe one value at a time)."""
+
+    def __init__(self) -> None:
+        self.edges = CLIP_RATIO_EDGES
+        self.le = np.zeros(len(CLIP_RATIO_EDGES), dtype=np.int64)
+        self.sum = 0.0
+        self.rows = 0
+
+    def add(self, le: np.ndarray, ratio_sum: float, rows: int) -> None:
+        self.le += le
+        self.sum += ratio_sum
+        self.rows += rows
 
 
 # Metrics set directly by TrainerMetrics; the rest come from the collectors.

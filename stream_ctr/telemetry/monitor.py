@@ -68,7 +68,7 @@ class RunMonitor:
         """A batch was stepped (`trainer.StepResult`); `accuracy` is the window after it."""
         self.metrics.observe_batch(len(batch), bool(result.skipped), result.phase_s,
                                    int(result.rows_clipped), batch.event_time_ms,
-                                   accuracy.as_dict(), int(result.rows_touched))
+                                   accuracy.as_dict(), int(result.rows_touched), result.clip_ratio())
         if self.series is not None and self.series.due():
             self.series.append_interval(self.metrics.snapshot())
 

@@ -44,6 +44,17 @@ class StepResult:
     # Wall seconds per phase (prepare, forward_backward, update). On CUDA they
     # measure launch time unless the caller synchronizes.
     phase_s: dict[str, float] = field(default_factory=dict)
+    # CowClip's ||g|| / threshold histogram of this step (ops.cowclip_adam.ClipStats); None
+    # without cowclip or update.
+    clip_ratio_le: torch.Tensor | None = None
+    clip_ratio_sum: torch.Tensor | None = None
+    clip_rows: int = 0              # the rows the update saw (owned rows, when sharded)
+
+    def clip_ratio(self) -> tuple[np.ndarray, float, int] | None:
+        """(cumulative counts per edge, sum of ratios, rows) on the host, or None."""
+        if self.clip_ratio_le is None:
+            return None
+        return self.clip_ratio_le.cpu().numpy(), float(self.clip_ratio_sum), self.clip_rows
 
 
 class Trainer:
@@ -172,7 +183,8 @@ class Trainer:
         t3 = time.perf_counter()
         return StepResult(torch.sigmoid(logits.detach()), loss.detach(), skipped, int(uniq.numel()),
                           clip.rows_clipped, clip.rows_at_floor,
-                          {"prepare": t1 - t0, "forward_backward": t2 - t1, "update": t3 - t2})
+                          {"prepare": t1 - t0, "forward_backward": t2 - t1, "update": t3 - t2},
+                          clip.ratio_le, clip.ratio_sum, clip.rows_present)
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:

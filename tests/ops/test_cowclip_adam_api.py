@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stream_ctr.ops.cowclip_adam import (
-    ClipStats, clip_rows_reference, cowclip_adam_, cowclip_adam_reference, cowclip_adam_triton)
+    CLIP_RATIO_EDGES, ClipStats, clip_rows_reference, cowclip_adam_, cowclip_adam_reference,
+    cowclip_adam_triton)
 from stream_ctr.ops.dispatch import FORCE_TRITON_ENV
 from tests.ops.conftest import needs_cuda, needs_interpreter
 from tests.ops.test_cowclip_adam import HPARAMS, make_batch, make_table, run
@@ -133,3 +134,37 @@ def test_clip_property(w_norm, g_norm, count, r, zeta, d, seed):
         assert torch.allclose(g_clip / g_clip.norm(), g.double() / g_norm, atol=1e-12)
     assert clipped.item() == (g_norm > thr)
     assert at_floor.item() == (w.double().norm().item() < lower)
+
+
+@pytest.mark.parametrize("impl", [
+    pytest.param(cowclip_adam_reference, id="reference"),
+    pytest.param(cowclip_adam_triton, id="triton-interpreter", marks=needs_interpreter),
+])
+@pytest.mark.parametrize("clip_scale", [1.0, 1 / 64])
+def test_ratio_histogram_counts_each_row_against_its_threshold(impl, clip_scale):
+    """ratio_le is cumulative over CLIP_RATIO_EDGES; its rows above 1 are the clipped ones,
+    and the sum is that of ||g|| / threshold computed here from the inputs."""
+    table = make_table(300, 10, seed=7)
+    rows, grad, count = make_batch(300, 250, 10, seed=7)
+    grad = grad * torch.logspace(-4, 2, 250)[:, None]       # ratios across the whole grid
+    w = table[0].index_select(0, rows)
+    g = grad + 2 * HPARAMS["l2"] * w
+    thr = clip_scale * count.float() * torch.clamp_min(torch.linalg.vector_norm(w, dim=1),
+                                                        math.sqrt(10) * 1e-3)
+    ratio = torch.linalg.vector_norm(g, dim=1) / thr
+    *_, stats = run(impl, table, (rows, grad, count), clip_zeta=1e-3, clip_dims=10, clip_scale=clip_scale)
+    le = stats.ratio_le.tolist()
+    assert le == sorted(le) and le[-1] <= 250 and le[0] >= 0
+    expect = [int((ratio <= edge * (1 + 1e-5)).sum()) for edge in CLIP_RATIO_EDGES]
+    assert all(abs(a - b) <= int(((ratio - edge).abs() < edge * 1e-5).sum())
+               for a, b, edge in zip(le, expect, CLIP_RATIO_EDGES))
+    one = CLIP_RATIO_EDGES.index(1.0)
+    assert 250 - le[one] == stats.rows_clipped.item() > 0 and le[one] > 0
+    assert stats.ratio_sum.item() == pytest.approx(float(ratio.sum()), rel=1e-4)
+
+
+def test_ratio_histogram_is_absent_without_cowclip():
+    table = make_table(30, 10, seed=1)
+    *_, stats = run(cowclip_adam_reference, table, make_batch(30, 12, 10, seed=1), clip_dims=10,
+                    cowclip=False)
+    assert stats.ratio_le is None and stats.ratio_sum is None

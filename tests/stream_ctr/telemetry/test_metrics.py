@@ -92,6 +92,50 @@ def test_batches_trained_skipped_phases_and_clipping(reg):
     assert value(reg, "stream_ctr_samples_per_second") == pytest.approx(128.0)
 
 
+def test_cowclip_ratio_histogram_from_pre_bucketed_steps(reg):
+    """The update kernel buckets ||g||/threshold; the metric adds steps up, and the
+    clipped share is 1 - bucket{le="1"} / count."""
+    from stream_ctr.ops.cowclip_adam import CLIP_RATIO_EDGES
+    m = TrainerMetrics(reg)
+    assert value(reg, "stream_ctr_cowclip_gradient_threshold_ratio_count") is None    # no step yet
+    one = CLIP_RATIO_EDGES.index(1.0)
+    le = np.arange(1, len(CLIP_RATIO_EDGES) + 1) * 2
+    m.observe_batch(64, False, {}, rows_clipped=50 - le[one], clip_ratio=(le, 7.5, 50))
+    m.observe_batch(64, False, {}, rows_clipped=50 - le[one], clip_ratio=(le, 2.5, 50))
+    m.observe_batch(64, False, {})                                # no cowclip: nothing added
+    assert value(reg, "stream_ctr_cowclip_gradient_threshold_ratio_count") == 100
+    assert value(reg, "stream_ctr_cowclip_gradient_threshold_ratio_sum") == 10.0
+    assert value(reg, "stream_ctr_cowclip_gradient_threshold_ratio_bucket", le="1.0") == 2 * le[one]
+    assert value(reg, "stream_ctr_cowclip_gradient_threshold_ratio_bucket", le="+Inf") == 100
+    clipped = value(reg, "stream_ctr_embedding_rows_clipped_total")
+    assert clipped == 100 - value(reg, "stream_ctr_cowclip_gradient_threshold_ratio_bucket", le="1.0")
+
+
+def test_step_result_carries_the_ratio_histogram_to_the_metrics(reg):
+    """A real trainer step (memory store, cowclip on) feeds the histogram its rows."""
+    from stream_ctr.config import Config
+    from stream_ctr.connectors.batch import Batch
+    from stream_ctr.train.trainer import Trainer
+    cfg = Config()
+    cfg.optim.cowclip_units = "occurrence"          # binds on a fresh table
+    t = Trainer(cfg, n_fields=3, n_dense=2)
+    rng = np.random.default_rng(0)
+    n = 256
+    batch = Batch(labels=(rng.random(n) < 0.3).astype(np.float32),
+                  dense=rng.random((n, 2), dtype=np.float32),
+                  keys=rng.integers(0, 40, size=(n, 3)).astype(np.int64),
+                  event_time_ms=np.zeros(n, np.int64), partition=np.zeros(n, np.int32),
+                  offset=np.arange(n, dtype=np.int64), partitions=("file:x",))
+    result = t.train_step(batch)
+    le, total, rows = result.clip_ratio()
+    assert rows == result.rows_touched > 0 and total > 0
+    m = TrainerMetrics(reg)
+    m.observe_batch(n, False, {}, int(result.rows_clipped), clip_ratio=result.clip_ratio())
+    assert value(reg, "stream_ctr_cowclip_gradient_threshold_ratio_count") == rows
+    assert value(reg, "stream_ctr_cowclip_gradient_threshold_ratio_bucket", le="1.0") == \
+        rows - int(result.rows_clipped)
+
+
 def test_accuracy_gauges_skip_nan(reg):
     m = TrainerMetrics(reg)
     m.observe_accuracy({"auc": float("nan"), "logloss": 0.5, "calibration": 1.1, "records": 10})
@@ -296,7 +340,8 @@ def test_every_sample_is_in_the_catalogue_and_the_global_registry_is_untouched(r
     m.watch_source(lag=lambda: {"p": 1}, source=SourceStub())
     m.observe_read(("p",), np.zeros(2, np.int32), rejected("bad_label", 1, "p"), 0.1)
     m.observe_batch(2, True, {"update": 0.1}, 1, np.array([1000, 2000]),
-                    {"auc": 0.6, "logloss": 0.6, "calibration": 1.0, "records": 2}, 4)
+                    {"auc": 0.6, "logloss": 0.6, "calibration": 1.0, "records": 2}, 4,
+                    (np.arange(11), 1.0, 20))
     m.observe_checkpoint(0.1, 10)
     m.observe_merge(0.1, 10)
     names = {s.name for fam in reg.collect() for s in fam.samples if not s.name.endswith("_created")}
