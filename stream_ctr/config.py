@@ -109,7 +109,9 @@ class TrainConfig:
     seed: int = 1235
     threads: int = 0                # torch intra-op threads; 0 = torch default
     deterministic: bool = True
-    run_dir: str = "runs/latest"
+    # "" = a new directory per run, runs/<UTC time>-<model>-<source>, with runs/latest
+    # linking to the run trained last; --resume DIR keeps writing into DIR (train/run_dir.py).
+    run_dir: str = ""
     checkpoint_dir: str = ""        # default: RUN_DIR/checkpoints
     checkpoint_every_batches: int = 0   # 0 = only at the end of the run
     keep_checkpoints: int = 3

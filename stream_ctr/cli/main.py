@@ -86,9 +86,13 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--holdout-fraction", type=float, help="data.holdout_fraction: keep the "
                    "last F of the records out of training and evaluate on them at the end")
     p.add_argument("--run-dir", default=_env("STREAM_CTR_RUN_DIR"),
-                   help="train.run_dir: checkpoints and dead letters go here [env STREAM_CTR_RUN_DIR]")
+                   help="train.run_dir: checkpoints, time series and dead letters go here; default: "
+                   "a new runs/<UTC time>-<model>-<source> per run (runs/latest links to the run trained last), "
+                   "or the resumed run's directory with --resume; a new run into a directory that "
+                   "holds another is refused [env STREAM_CTR_RUN_DIR]")
     p.add_argument("--checkpoint-every", type=int, help="train.checkpoint_every_batches")
-    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint, checkpoint root or run dir")
+    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint, checkpoint root or run dir "
+                   "(and keep writing into that run's directory unless --run-dir says otherwise)")
     p.add_argument("--device", default=_env("STREAM_CTR_DEVICE"),
                    help="auto (CUDA if present), cpu, cuda[:N] [env STREAM_CTR_DEVICE]")
     p.add_argument("--seed", type=int, help="train.seed")

@@ -35,7 +35,7 @@ from stream_ctr.connectors.batch import Batch, Rejected
 from stream_ctr.connectors.files import FileSource
 from stream_ctr.connectors.kafka.positions import filter_partitions
 from stream_ctr.distributed import job_checkpoint as jobs
-from stream_ctr.config import Config
+from stream_ctr.config import Config, ConfigError
 from stream_ctr.distributed.context import (DistContext, DistributedError, agree, collective,
                                            init_distributed, shutdown)
 from stream_ctr.distributed.merge import DenseMerger
@@ -43,6 +43,7 @@ from stream_ctr.train.evaluation import accuracy
 from stream_ctr.telemetry.progress import Progress
 from stream_ctr.distributed.sharded_store import ShardedEmbeddingStore
 from stream_ctr.train.batches import StopSignal
+from stream_ctr.train.run_dir import choose_run_dir, point_latest
 from stream_ctr.train.loop import Run, RunSummary
 from stream_ctr.train.trainer import resolve_device
 
@@ -388,6 +389,22 @@ def _broadcast_int(value: int) -> int:
     return int(box[0])
 
 
+def agree_run_dir(cfg: Config, resume: str | None, ctx: DistContext) -> str:
+    """Rank 0 chooses the job's run directory (train/run_dir.py) and every rank takes it:
+    a time-stamped name would differ between ranks. A refusal is raised on every rank."""
+    choice: list = [None, None]
+    if ctx.is_main:
+        try:
+            choice[0] = str(choose_run_dir(cfg, resume))
+        except ConfigError as e:
+            choice[1] = str(e)
+    with collective("agreeing on the run directory"):
+        dist.broadcast_object_list(choice, src=0)
+    if choice[1] is not None:
+        raise ConfigError(choice[1])
+    return choice[0]
+
+
 def train_distributed(cfg: Config, resume: str | None = None,
                       show_progress: bool = True) -> DistributedSummary:
     """Train as one rank of the torchrun job; every rank returns the job's summary.
@@ -400,7 +417,10 @@ def train_distributed(cfg: Config, resume: str | None = None,
                            cfg.distributed.backend)
     failed = False
     try:
+        cfg.train.run_dir = agree_run_dir(cfg, resume, ctx)
         run = DistributedRun(cfg, resume, ctx)
+        if ctx.is_main:
+            point_latest(Path(cfg.train.run_dir))
         label = f"train ({ctx.world_size} ranks, rank 0 shown)"
         progress = Progress(label, cfg.train.log_every_s, enabled=show_progress and ctx.is_main)
         every = cfg.train.checkpoint_every_batches
@@ -441,7 +461,6 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     machine through torchrun's launcher (loopback rendezvous); blocks until they end."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
-    from stream_ctr.config import ConfigError
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
     # The ranks share this machine's cores (torchrun would warn and pick 1).

@@ -20,6 +20,7 @@ from stream_ctr.connectors.files import FileSource, count_records, detect_format
 from stream_ctr.train.checkpoint import CheckpointState, load_checkpoint, resolve_checkpoint, save_checkpoint
 from stream_ctr.config import Config, ConfigError, describe_optim, validate
 from stream_ctr.train.evaluation import Accuracy, PrequentialWindow, accuracy
+from stream_ctr.train.run_dir import choose_run_dir, point_latest
 from stream_ctr.telemetry.monitor import RunMonitor
 from stream_ctr.telemetry.progress import Progress
 from stream_ctr.train.batches import LookAhead, StopSignal, micro_batches
@@ -293,7 +294,9 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
     signal, at the limit, or after `kafka.stop_when_idle_s` without records,
     and commits the group's offsets after every checkpoint.
     """
+    cfg.train.run_dir = str(choose_run_dir(cfg, resume))
     run = Run(cfg, resume)
+    point_latest(Path(cfg.train.run_dir))
     run.summary.optim = dataclasses.asdict(run.trainer.optim)
     if show_progress:
         print(describe_optim(run.trainer.optim), file=sys.stderr, flush=True)

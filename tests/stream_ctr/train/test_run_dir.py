@@ -1,0 +1,75 @@
+"""Run directories: one per run, runs/latest at the one trained last, --resume writes where it resumes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from stream_ctr.config import Config, ConfigError
+from stream_ctr.train.run_dir import choose_run_dir, run_dir_of, source_slug
+
+CLI = [sys.executable, "-m", "stream_ctr"]
+
+
+def cli(cwd, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_two_runs_get_two_directories_and_resume_writes_into_its_own(tmp_path):
+    first = cli(tmp_path, "train", "--limit", "640", "--quiet", "--json")
+    second = cli(tmp_path, "train", "avazu:sample", "--limit", "640", "--quiet", "--json")
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name != "latest")
+    assert len(runs) == 2 and any(r.endswith("-deepfm-criteo-sample") for r in runs) \
+        and any(r.endswith("-deepfm-avazu-sample") for r in runs)
+    latest = (tmp_path / "runs" / "latest").resolve()
+    assert latest.name.endswith("avazu-sample")
+    criteo = next(r for r in runs if r.endswith("criteo-sample"))
+
+    resumed = cli(tmp_path, "train", "--limit", "320", "--quiet", "--json", "--resume", f"runs/{criteo}")
+    assert resumed.returncode == 0, resumed.stderr
+    ckpt = json.loads(resumed.stdout)["checkpoint"]
+    assert ckpt.startswith(f"runs/{criteo}/checkpoints/"), ckpt
+    assert (tmp_path / "runs" / "latest").resolve().name == criteo   # the run trained last
+    assert len(list((tmp_path / "runs" / criteo / "checkpoints").glob("ckpt-*"))) == 2
+
+
+def test_a_new_run_into_a_directory_with_a_run_is_refused(tmp_path):
+    ok = cli(tmp_path, "train", "--limit", "320", "--quiet", "--run-dir", "mine")
+    assert ok.returncode == 0, ok.stderr
+    again = cli(tmp_path, "train", "--limit", "320", "--quiet", "--run-dir", "mine")
+    assert again.returncode != 0
+    assert "mine already holds a run" in again.stderr and "--resume mine" in again.stderr
+    assert len(list((tmp_path / "mine" / "checkpoints").glob("ckpt-*"))) == 1
+
+
+def test_choose_run_dir_rules(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = Config()
+    cfg.data.source = "kafka://127.0.0.1:9092/clicks?client=confluent"
+    cfg.model.name = "dcnv2"
+    assert str(choose_run_dir(cfg, None, now_s=0)) == "runs/19700101-000000-dcnv2-kafka-clicks"
+    (tmp_path / "runs" / "19700101-000000-dcnv2-kafka-clicks").mkdir(parents=True)
+    assert str(choose_run_dir(cfg, None, now_s=0)).endswith("-kafka-clicks-2")
+    run = tmp_path / "r1"
+    (run / "checkpoints" / "ckpt-00000010").mkdir(parents=True)
+    (run / "checkpoints" / "ckpt-00000010" / "manifest.json").write_text("{}")
+    (run / "checkpoints" / "LATEST").write_text("ckpt-00000010")
+    for resume in (run, run / "checkpoints", run / "checkpoints" / "ckpt-00000010"):
+        assert run_dir_of(resume) == run
+        assert choose_run_dir(cfg, str(resume)) == run
+    cfg.train.run_dir = str(run)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        choose_run_dir(cfg, None)
+    assert choose_run_dir(cfg, str(run)) == run
+
+
+@pytest.mark.parametrize("source, slug", [
+    ("criteo:sample", "criteo-sample"), ("avazu:/data/train.gz", "avazu-train"),
+    ("/data/day_0.tsv.gz", "day_0"), ("kafka://127.0.0.1:9092/clicks", "kafka-clicks"),
+    ("weird name?.csv", "weird-name"),
+])
+def test_source_slug(source, slug):
+    assert source_slug(source) == slug
