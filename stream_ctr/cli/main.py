@@ -19,7 +19,7 @@ EPILOG = """examples:
   stream-ctr train                                  # DeepFM on the bundled Criteo sample
   stream-ctr train criteo:data/day_0.gz --batch-size 65536 --set optim.lr_dense=8e-3
   stream-ctr train --resume runs/latest             # continue exactly where a run stopped
-  stream-ctr eval runs/latest avazu:sample --json
+  stream-ctr eval runs/latest --json                # the run's held-out rows
   stream-ctr synth /tmp/criteo_1m.tsv --records 1000000
   stream-ctr bench train --records 1000000
   stream-ctr train --cache-bytes 2GiB --ram-bytes 32GiB --disk-bytes 2TB --store-dir /ssd/emb
@@ -126,8 +126,11 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 def _eval_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="score a file with a checkpoint: AUC, logloss, calibration")
     p.add_argument("checkpoint", help="checkpoint directory, checkpoint root or run dir")
-    p.add_argument("source", help="criteo:PATH, avazu:PATH, or a path")
-    p.add_argument("--start", type=int, default=0, help="first data-line offset to score")
+    p.add_argument("source", nargs="?", help="criteo:PATH, avazu:PATH, or a path (default: the "
+                   "run's own source, and then only its held-out rows)")
+    p.add_argument("--all", action="store_true", help="score every record of the source, also "
+                   "those the run trained on")
+    p.add_argument("--start", type=int, default=None, help="first data-line offset to score")
     p.add_argument("--stop", type=int, default=None, help="stop before this data-line offset")
     _add_common(p)
     p.set_defaults(func=cmd_eval)
@@ -268,9 +271,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from stream_ctr.distributed.job_checkpoint import load_any
     from stream_ctr.train.loop import evaluate_checkpoint
     result = evaluate_checkpoint(load_any(args.checkpoint), args.checkpoint, args.source,
-                                 args.start, args.stop)
+                                 args.start, args.stop, whole=args.all)
     emit(args, result, f"AUC {result['auc']:.4f} logloss {result['logloss']:.4f} calibration "
-         f"{result['calibration']:.3f} on {result['records']:,} records ({result['checkpoint']})")
+         f"{result['calibration']:.3f} on {result['records']:,} records: {result['rows']}, lines "
+         f"{result['start']:,}-{result['stop']:,} of {result['source']} ({result['checkpoint']})")
     return 0
 
 

@@ -365,14 +365,45 @@ def score(trainer: Trainer, path: Path, fmt, start_offset: int, stop_offset: int
     return np.concatenate(probs), np.concatenate(labels)
 
 
-def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str, start: int = 0,
-                        stop: int | None = None) -> dict:
+def _same_file(source: str, path: Path) -> bool:
+    """Whether `source` (a run's data.source) names the file at `path`."""
+    if "://" in source:
+        return False
+    try:
+        return detect_format(source)[1].resolve() == path.resolve()
+    except (ConfigError, OSError):          # the run's file is gone or moved
+        return False
+
+
+def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str | None = None,
+                        start: int | None = None, stop: int | None = None,
+                        whole: bool = False) -> dict:
     """`stream-ctr eval`: score a file with a loaded checkpoint's model, no training.
 
     `state` is one rank's checkpoint or a distributed job's shards as one table
-    (`stream_ctr.distributed.job_checkpoint.load_any`); `checkpoint` names it."""
+    (`stream_ctr.distributed.job_checkpoint.load_any`); `checkpoint` names it.
+    Which rows: `start`/`stop` (data-line offsets) when given; else the whole file
+    when `whole` or when `source` is not the run's own; else the run's held-out
+    tail (data.holdout_fraction), the rows its test AUC was measured on. The
+    result's `rows` says which it scored."""
     cfg = Config.from_dict(state.config, origin=f"{checkpoint} (checkpoint config)")
+    own = cfg.data.source
+    if source is None:
+        if own.lower().startswith("kafka://"):
+            raise ConfigError(f"the run of {checkpoint} trained on a Kafka topic ({own}); "
+                              "name a file to score: stream-ctr eval RUN_DIR criteo:PATH")
+        source = own
     fmt, path = detect_format(source)
+    n_total = count_records(path, fmt)
+    if start is not None or stop is not None:
+        start, rows = start or 0, "the given range"
+    elif whole or not _same_file(own, path):
+        start, rows = 0, "all records"
+    elif cfg.data.holdout_fraction > 0:
+        start = n_total - int(round(n_total * cfg.data.holdout_fraction))
+        rows = f"the run's held-out last {cfg.data.holdout_fraction:g}"
+    else:
+        start, rows = 0, "all records (the run held none out: it trained on them)"
     saved_fmt = source_format(cfg)
     if saved_fmt.name != fmt.name:
         raise ConfigError(f"checkpoint was trained on {saved_fmt.name} records, "
@@ -382,4 +413,6 @@ def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str, st
     trainer.load_state_tensors(state.tensors["trainer"])
     acc = evaluate(trainer, path, fmt, start, stop, cfg.data.chunk_records)
     trainer.store.close()
-    return {**acc.as_dict(), "checkpoint": str(checkpoint), "step": state.step}
+    end = n_total if stop is None else min(stop, n_total)
+    return {**acc.as_dict(), "checkpoint": str(checkpoint), "step": state.step,
+            "source": source, "start": start, "stop": end, "rows": rows}

@@ -61,6 +61,14 @@ def test_train_json_then_eval(tmp_path):
     result = json.loads(ev.stdout.strip().splitlines()[-1])
     assert result["records"] == 1449
     assert abs(result["auc"] - summary["test_auc"]) < 1e-9      # same model, same records
+    # Without a source: the run's own file, only its held-out rows, and it says so.
+    own = run("eval", str(run_dir), "--json")
+    assert own.returncode == 0, own.stderr
+    held = json.loads(own.stdout.strip().splitlines()[-1])
+    assert (held["start"], held["stop"], held["records"]) == (13044, 14493, 1449)
+    assert held["auc"] == result["auc"] and "held-out" in held["rows"]
+    every = json.loads(run("eval", str(run_dir), "--all", "--json").stdout.strip().splitlines()[-1])
+    assert every["records"] == 14493 and every["start"] == 0
     mismatch = run("eval", str(run_dir), "avazu:sample")
     assert mismatch.returncode == 2 and "do not match" in mismatch.stderr
 
