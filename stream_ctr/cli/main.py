@@ -302,6 +302,13 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# Exit codes (README "Exit codes"): what a supervisor or a script can act on.
+EXIT_INTERNAL = 1   # a bug, or a lost peer rank: retrying may help, reporting it does
+EXIT_USAGE = 2      # bad arguments or config (argparse uses 2 too): fix the command
+EXIT_DATA = 3       # the source: a missing or unreadable file, a broker that is gone
+EXIT_STATE = 4      # checkpoints, the embedding store, the run directory, a full disk
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -315,18 +322,23 @@ def main(argv: list[str] | None = None) -> int:
             emit(args, *result)
             return 0
         return result
-    except (ConfigError, SourceError, CheckpointError, StoreError, FileNotFoundError,
-            FileExistsError) as e:
+    except (ConfigError, FileExistsError) as e:
         print(f"stream-ctr: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except (SourceError, FileNotFoundError) as e:
+        print(f"stream-ctr: error: {e}", file=sys.stderr)
+        return EXIT_DATA
+    except (CheckpointError, StoreError) as e:
+        print(f"stream-ctr: error: {e}", file=sys.stderr)
+        return EXIT_STATE
     except DistributedError as e:         # another rank died or hung: not the user's input
         print(f"stream-ctr: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_INTERNAL
     except OSError as e:                  # a run directory that cannot be written, a full disk
         where = f" {e.filename}" if e.filename else ""
         print(f"stream-ctr: error: cannot use{where}: {e.strerror or e} (check --run-dir, "
               f"permissions and free disk space)", file=sys.stderr)
-        return 2
+        return EXIT_STATE
     except KeyboardInterrupt:
         print("stream-ctr: interrupted", file=sys.stderr)
         return 130

@@ -22,17 +22,17 @@ def test_help_reads_well():
     assert "STREAM_CTR_CONFIG" in run("train", "--help").stdout
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["train", "criteo:/no/such/file.tsv"], "/no/such/file.tsv"),
-    (["train", "parquet:/tmp/x"], "parquet"),
-    (["train", "--set", "model.name=xgboost"], "model.name"),
-    (["train", "--batch-size", "0"], "data.batch_size"),
-    (["train", "--resume", "/no/such/run"], "no checkpoint"),
-    (["eval", "/no/such/run", "criteo:sample"], "no checkpoint"),
+@pytest.mark.parametrize("args, needle, code", [
+    (["train", "criteo:/no/such/file.tsv"], "/no/such/file.tsv", 3),     # data
+    (["train", "parquet:/tmp/x"], "parquet", 3),
+    (["train", "--set", "model.name=xgboost"], "model.name", 2),         # usage
+    (["train", "--batch-size", "0"], "data.batch_size", 2),
+    (["train", "--resume", "/no/such/run"], "no checkpoint", 4),         # checkpoint / store
+    (["eval", "/no/such/run", "criteo:sample"], "no checkpoint", 4),
 ])
-def test_user_errors_are_one_clear_line(args, needle, tmp_path):
+def test_user_errors_are_one_clear_line(args, needle, code, tmp_path):
     out = run(*args, "--run-dir", str(tmp_path)) if args[0] == "train" else run(*args)
-    assert out.returncode == 2
+    assert out.returncode == code, out.stderr
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("stream-ctr: error:") and needle in lines[0], out.stderr
@@ -42,7 +42,7 @@ def test_a_run_dir_that_cannot_be_written_is_one_clear_line(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     out = run("train", "--limit", "256", "--run-dir", str(blocker / "run"))
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == 4 and "Traceback" not in out.stderr, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "a-file" in lines[0] and "--run-dir" in lines[0], out.stderr
 

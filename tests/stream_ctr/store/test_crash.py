@@ -9,6 +9,7 @@ import torch
 
 from stream_ctr.train.checkpoint import load_checkpoint
 from stream_ctr.cli import main
+from stream_ctr.config import ConfigError
 from stream_ctr.store.errors import StoreError
 from stream_ctr.train.loop import train
 from tests.stream_ctr.store.helpers import assert_same_rows, lmdb_rows, small_config, sorted_memory_rows
@@ -97,7 +98,7 @@ def test_full_disk_is_a_one_line_error_and_the_checkpoint_survives(tmp_path):
     # Enough for the checkpoints and the first LMDB pages, not for the table.
     child = subprocess.run([sys.executable, "-c", FULL_DISK, "x", str(3 << 20)] + args, cwd=REPO,
                            capture_output=True, text=True, timeout=300)
-    assert child.returncode == 2, child.stderr[-2000:]
+    assert child.returncode == 4, child.stderr[-2000:]      # checkpoint / store / disk
     last = child.stderr.strip().splitlines()[-1]
     assert last.startswith("stream-ctr: error: cannot write the LMDB store at") and "disk is probably full" in last
     assert "Traceback" not in child.stderr
@@ -113,10 +114,14 @@ def test_a_fresh_run_refuses_a_store_that_holds_a_table(tmp_path, capsys):
     cfg = small_config(tmp_path / "run", tiered=True)
     cfg.data.limit_records = 2 * 128
     train(cfg, show_progress=False)
-    with pytest.raises(StoreError, match="already holds a table"):
+    with pytest.raises(ConfigError, match="already holds a run"):     # the run directory first
         train(cfg, show_progress=False)
-    code = main(["train", "--run-dir", str(tmp_path / "run"), "--limit", "256", "--quiet",
-                 "--batch-size", "128", "--store", "tiered", "--cache-bytes", "64MiB", "--json"])
-    assert code == 2
+    cfg.train.run_dir, cfg.store.store_dir = str(tmp_path / "other"), str(tmp_path / "run" / "store")
+    with pytest.raises(StoreError, match="already holds a table"):    # another run, same store
+        train(cfg, show_progress=False)
+    code = main(["train", "--run-dir", str(tmp_path / "third"), "--limit", "256", "--quiet",
+                 "--batch-size", "128", "--store-dir", str(tmp_path / "run" / "store"),
+                 "--cache-bytes", "64MiB", "--json"])
+    assert code == 4
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("stream-ctr: error: the store directory") and "--resume" in err[-1]
