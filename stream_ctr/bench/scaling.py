@@ -119,6 +119,8 @@ def run_cell(base: Config, rule: str, batch_size: int, base_batch: int, seed: in
     t0 = time.perf_counter()
     s = train(cfg, show_progress=False)
     shutil.rmtree(cfg.train.run_dir, ignore_errors=True)      # a study keeps numbers, not models
+    if s.stopped:       # a cut-short run is no cell: stop here, a restart runs it again
+        raise KeyboardInterrupt
     return {"rule": rule, "batch": batch_size, "seed": seed, "auc": s.test.get("auc", float("nan")),
             "logloss": s.test.get("logloss", float("nan")),
             "calibration": s.test.get("calibration", float("nan")),

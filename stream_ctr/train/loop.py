@@ -54,6 +54,7 @@ class RunSummary:
     dead_letter_path: str = ""
     source_stats: dict = field(default_factory=dict)   # Kafka: messages, outages, lag, ...
     optim: dict = field(default_factory=dict)          # the resolved optimizer settings
+    stopped: bool = False               # SIGTERM / Ctrl-C ended it before the data did
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k not in ("window", "test")}
@@ -328,6 +329,7 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
         progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss, force=True)
         progress.close()
         run.checkpoint()
+        run.summary.stopped = stop.requested
     return run.finish(progress.elapsed_s())
 
 
