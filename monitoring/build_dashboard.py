@@ -87,8 +87,10 @@ def rows() -> list[tuple[str, list[dict]]]:
                 (f"sum by (rank) (rate(stream_ctr_prequential_predicted_clicks_total{S}[5m])) / "
                  f"sum by (rank) (rate(stream_ctr_prequential_clicks_total{S}[5m]))", "5m rank {{rank}}")],
                 "none"),
+            panel("timeseries", "Normalized entropy (logloss / base-rate logloss; < 1 beats the base rate)", [
+                (f"stream_ctr_prequential_normalized_entropy{S}", "window rank {{rank}}")], "none", w=16),
             panel("stat", "Records in the AUC window", [
-                (f"sum(stream_ctr_prequential_window_records{S})", "records")], "short", w=24, h=4),
+                (f"sum(stream_ctr_prequential_window_records{S})", "records")], "short", w=8),
         ]),
         ("Freshness and lag", [
             panel("timeseries", "Consumer lag per partition (records)", [

@@ -67,6 +67,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _spec("prequential_logloss", "gauge", R, "Mean logloss (nats) of the sliding prequential window."),
     _spec("prequential_calibration", "gauge", R,
           "Mean predicted CTR / observed CTR over the sliding window; 1 is perfect."),
+    _spec("prequential_normalized_entropy", "gauge", R,
+          "Normalized entropy of the sliding window: logloss / logloss of predicting its observed "
+          "CTR (below 1 beats the base rate)."),
     _spec("prequential_window_records", "gauge", R, "Records currently in the sliding window."),
     _spec("prequential_auc_baseline", "gauge", R,
           "Configured AUC baseline (metrics.auc_baseline) for the AUC alert; absent when unset."),

@@ -174,6 +174,7 @@ class TrainerMetrics:
         self.accuracy = dict(acc)
         for key, short in (("auc", "prequential_auc"), ("logloss", "prequential_logloss"),
                            ("calibration", "prequential_calibration"),
+                           ("ne", "prequential_normalized_entropy"),
                            ("records", "prequential_window_records")):
             value = acc.get(key)
             if value is not None and np.isfinite(value):
@@ -261,7 +262,7 @@ _DIRECT = frozenset(f"{NAMESPACE}_{n}" for n in (
     "records_consumed_total", "records_trained_total", "records_rejected_total",
     "batches_trained_total", "batches_skipped_total", "samples_per_second", "step_phase_seconds",
     "embedding_rows_clipped_total", "prequential_auc", "prequential_logloss",
-    "prequential_calibration", "prequential_window_records", "prequential_auc_baseline",
+    "prequential_calibration", "prequential_normalized_entropy", "prequential_window_records", "prequential_auc_baseline",
     "last_trained_event_timestamp_seconds", "checkpoints_total",
     "last_checkpoint_timestamp_seconds", "last_checkpoint_bytes", "merges_total",
     "merge_bytes_total", "last_merge_timestamp_seconds", "last_merge_bytes", "start_time_seconds"))

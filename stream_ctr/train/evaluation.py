@@ -7,6 +7,7 @@ the most recent `window_records` predictions; totals cover the whole run.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,16 +50,30 @@ class Accuracy:
     logloss: float
     calibration: float    # mean predicted CTR / observed CTR; 1.0 is perfect
     records: int
+    # Normalized entropy (He et al. 2014): logloss / the logloss of always predicting the
+    # observed CTR. Below 1 the model beats the base rate; comparable across CTR levels.
+    ne: float = float("nan")
 
     def as_dict(self, prefix: str = "") -> dict[str, float]:
         return {f"{prefix}auc": self.auc, f"{prefix}logloss": self.logloss,
-                f"{prefix}calibration": self.calibration, f"{prefix}records": self.records}
+                f"{prefix}calibration": self.calibration, f"{prefix}records": self.records,
+                f"{prefix}ne": self.ne}
 
 
 def accuracy(probs: np.ndarray, labels: np.ndarray) -> Accuracy:
     mean_label = float(np.mean(labels)) if len(labels) else float("nan")
     calibration = float(np.mean(probs)) / mean_label if len(labels) and mean_label > 0 else float("nan")
-    return Accuracy(roc_auc(probs, labels), log_loss(probs, labels), calibration, int(len(labels)))
+    logloss = log_loss(probs, labels)
+    return Accuracy(roc_auc(probs, labels), logloss, calibration, int(len(labels)),
+                    logloss / base_rate_entropy(mean_label))
+
+
+def base_rate_entropy(ctr: float) -> float:
+    """Logloss (nats) of predicting `ctr` for every record of a set whose CTR is `ctr`;
+    NaN when it is 0 or 1 (or NaN): no record mix to normalize by."""
+    if not 0.0 < ctr < 1.0:
+        return float("nan")
+    return -(ctr * math.log(ctr) + (1.0 - ctr) * math.log1p(-ctr))
 
 
 class PrequentialWindow:

@@ -340,7 +340,7 @@ def test_every_sample_is_in_the_catalogue_and_the_global_registry_is_untouched(r
     m.watch_source(lag=lambda: {"p": 1}, source=SourceStub())
     m.observe_read(("p",), np.zeros(2, np.int32), rejected("bad_label", 1, "p"), 0.1)
     m.observe_batch(2, True, {"update": 0.1}, 1, np.array([1000, 2000]),
-                    {"auc": 0.6, "logloss": 0.6, "calibration": 1.0, "records": 2}, 4,
+                    {"auc": 0.6, "logloss": 0.6, "calibration": 1.0, "records": 2, "ne": 0.9}, 4,
                     (np.arange(11), 1.0, 20))
     m.observe_checkpoint(0.1, 10)
     m.observe_merge(0.1, 10)

@@ -26,6 +26,15 @@ def test_logloss_and_calibration():
     assert np.isclose(log_loss(p, y), -np.mean(np.log([0.9, 0.9, 0.8, 0.7])))
     acc = accuracy(p, y)
     assert np.isclose(acc.calibration, p.mean() / 0.5) and acc.auc == 1.0
+    # NE: logloss over the logloss of predicting the set's CTR (0.5 here: ln 2)
+    assert np.isclose(acc.ne, log_loss(p, y) / np.log(2))
+
+
+def test_normalized_entropy_is_one_at_the_base_rate_and_nan_without_a_mix():
+    y = (np.random.default_rng(3).random(10_000) < 0.03).astype(np.float32)
+    assert np.isclose(accuracy(np.full(len(y), y.mean()), y).ne, 1.0)
+    assert accuracy(np.full(len(y), 0.5), y).ne > 1.0            # worse than the base rate
+    assert np.isnan(accuracy(np.full(8, 0.2), np.zeros(8, np.float32)).ne)
 
 
 def test_window_keeps_latest_and_restores():
