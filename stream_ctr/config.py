@@ -72,19 +72,21 @@ class OptimConfig:
     # With s = data.batch_size / scale_from_batch: lr_dense x sqrt(s), l2 x s,
     # lr_embed unchanged (CowClip's rule, reference/cowclip.md 2.4).
     scale_from_batch: int = 0
-    # Embedding lr per row: "constant" = lr_embed for every row (the paper); "count" =
-    # lr_embed x s*(1-(1-1/s)**cnt), the expected number of base-size batches (of the
-    # s this batch replaces) that would have held the row's cnt occurrences: the
-    # steps it would have taken at the base batch. Needs scale_from_batch.
-    embed_lr_rule: str = "constant"  # constant | count
+    # Embedding lr per row under the scaling rule: "constant" = lr_embed for every row
+    # (the paper); "count" = lr_embed x s*(1-(1-1/s)**cnt), the expected number of
+    # base-size batches (of the s this batch replaces) that would have held the row's
+    # cnt occurrences: the steps it would have taken at the base batch, so a rare id
+    # moves as far per occurrence as at the base batch. A no-op without scale_from_batch.
+    embed_lr_rule: str = "count"    # count | constant
     # With embed_lr_rule = count: s in that formula is min(s, embed_lr_max_scale), so no
-    # row steps more than this many base steps at once (0 = no cap).
-    embed_lr_max_scale: float = 0.0
+    # row takes more than this many base steps at once (0 = no cap). Uncapped, frequent
+    # rows took 128 base steps in one at 128K and the model came out 6x under-calibrated.
+    embed_lr_max_scale: float = 8.0
     # How L2 follows the batch under the scaling rule: "scaled" = l2 x s (the paper, for
-    # N epochs); "constant" = l2 as configured. In a single pass a row present in a batch
-    # s times larger takes ~s times fewer steps, so l2 x s on each of them shrinks it s
-    # times harder per occurrence than at the base batch (BENCHMARKS, large batches).
-    l2_rule: str = "scaled"         # scaled | constant
+    # N epochs); "constant" = l2 as configured. L2 acts on a row only in the steps that
+    # hold it: a rare id seen once takes one step at any batch, so l2 x s shrinks it s
+    # times harder than at the base batch (BENCHMARKS, "Large batches").
+    l2_rule: str = "constant"       # constant | scaled
     # The output bias starts at the log-odds of the first batch's click rate, so the
     # first predictions sit at the base rate rather than 0.5 (on a 2.6% CTR log the
     # mean prediction after one pass was 1.4-2.8x the CTR starting from 0).
@@ -326,8 +328,6 @@ def validate(cfg: Config) -> Config:
          f"optim.embed_lr_rule must be constant or count, got {o.embed_lr_rule!r}"),
         (o.embed_lr_max_scale >= 0,
          f"optim.embed_lr_max_scale must be >= 0 (0 = no cap), got {o.embed_lr_max_scale}"),
-        (o.embed_lr_rule != "count" or o.scale_from_batch > 0,
-         "optim.embed_lr_rule = count needs a base batch: set optim.scale_from_batch (--scale-from)"),
         (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)"),
         (o.eps > 0, f"optim.eps must be > 0, got {o.eps}"),
         (t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
@@ -403,8 +403,12 @@ def describe_optim(r: ResolvedOptim) -> str:
     """One line of the resolved values, printed when a run starts."""
     rule = (f"batch {r.batch_size:,} = {r.scale:g} x base {r.scale_from_batch:,}" if r.scale_from_batch
             else f"batch {r.batch_size:,}, no scaling rule")
-    warm = (f"warm-up {r.warmup_samples:,} samples ({math.ceil(r.warmup_samples / r.batch_size):,} steps)"
+    warm_steps = math.ceil(r.warmup_samples / r.batch_size)
+    warm = (f"warm-up {r.warmup_samples:,} samples ({warm_steps:,} steps)"
             if r.warmup_samples else "no warm-up")
+    if r.scale_from_batch and r.scale > 1 and warm_steps < 4:
+        # The scaled dense lr at full strength on a cold model was what broke 32K-128K.
+        warm += " - under 4 steps at this batch: raise optim.warmup_samples (README, large batches)"
     clip = (f"cowclip r={r.cowclip_r:g} zeta={r.cowclip_zeta:g} ({r.cowclip_units} units)"
             if r.cowclip else "no cowclip")
     return (f"optim: {rule}: lr_dense {r.lr_dense:.4g}, lr_embed {r.lr_embed:.4g} "

@@ -64,15 +64,21 @@ def _criteo_base(batch: int) -> Config:
     return cfg
 
 
+def _paper(cfg):
+    """The paper's rule as published (reference/cowclip.md 2.4): L2 x s, one embedding lr."""
+    cfg.optim.l2_rule, cfg.optim.embed_lr_rule = "scaled", "constant"
+    return cfg
+
+
 def test_scaling_rule_reproduces_readme_rows():
-    big = resolve_optim(_criteo_base(131072))
+    big = resolve_optim(_paper(_criteo_base(131072)))
     assert big.batch_size == 131072 and big.scale == 128
     assert math.isclose(big.lr_dense, 90.51e-4, rel_tol=1e-4)
     assert math.isclose(big.l2, 128e-5)
     assert big.lr_embed == 1e-4
-    eight = resolve_optim(_criteo_base(8192))
+    eight = resolve_optim(_paper(_criteo_base(8192)))
     assert math.isclose(eight.lr_dense, 22.6274e-4, rel_tol=1e-5)
-    base = _criteo_base(1024)
+    base = _paper(_criteo_base(1024))
     same = resolve_optim(base)
     assert (same.lr_dense, same.l2, same.scale) == (8e-4, 1e-5, 1.0)
     assert base.optim.lr_dense == 8e-4 and base.data.batch_size == 1024    # not modified
@@ -114,7 +120,7 @@ def test_scaling_options_are_validated():
                                  ("optim.cowclip_units", "sum", "cowclip_units"),
                                  ("optim.embed_lr_rule", "linear", "embed_lr_rule"),
                                  ("optim.l2_rule", "sqrt", "l2_rule"),
-                                 ("optim.embed_lr_rule", "count", "scale_from_batch")):
+                                 ("optim.embed_lr_max_scale", -1, "embed_lr_max_scale")):
         cfg = Config()
         setattr(cfg.optim, option.split(".")[1], value)
         with pytest.raises(ConfigError, match=match):
@@ -130,14 +136,25 @@ def test_l2_rule_constant_keeps_the_base_l2():
     assert math.isclose(resolve_optim(cfg).l2, 128e-5)
 
 
+def test_the_default_rule_is_the_single_pass_one_and_idle_without_a_base_batch():
+    """Defaults: count rule capped at 8 base steps, L2 not scaled; all of it a no-op
+    until --scale-from names a base batch."""
+    cfg = _criteo_base(131072)
+    r = resolve_optim(cfg)
+    assert (r.embed_lr_rule, r.count_lr_s, r.l2) == ("count", 8, 1e-5)
+    assert math.isclose(r.lr_dense, 90.51e-4, rel_tol=1e-4)
+    cfg.optim.scale_from_batch = 0
+    r = resolve_optim(cfg)
+    assert (r.count_lr_s, r.l2, r.lr_dense, r.scale) == (1.0, 1e-5, 8e-4, 1.0)
+
+
 def test_resolved_kernel_factors():
     cfg = _criteo_base(32768)
     cfg.optim.cowclip_units, cfg.optim.embed_lr_rule = "occurrence", "count"
     r = resolve_optim(cfg)
-    assert r.clip_scale == 1 / 32768 and r.count_lr_s == 32
-    cfg.optim.embed_lr_max_scale = 8
-    assert resolve_optim(cfg).count_lr_s == 8
+    assert r.clip_scale == 1 / 32768 and r.count_lr_s == 8          # the default cap
     cfg.optim.embed_lr_max_scale = 0
+    assert resolve_optim(cfg).count_lr_s == 32
     cfg.optim.cowclip_units, cfg.optim.embed_lr_rule = "mean", "constant"
     r = resolve_optim(cfg)
     assert r.clip_scale == 1.0 and r.count_lr_s == 1.0

@@ -20,8 +20,11 @@ def test_rules_derive_the_batch_that_trains_from_the_base_values():
     linear = rule_config(base, "linear", 8192, 1024)
     assert math.isclose(linear.optim.lr_embed, 8e-4) and linear.optim.l2 == 1e-5
     cow = resolve_optim(rule_config(base, "cowclip", 131072, 1024))
-    assert math.isclose(cow.lr_dense, 90.51e-4, rel_tol=1e-4) and math.isclose(cow.l2, 1.28e-3)
-    assert cow.lr_embed == 1e-4
+    assert math.isclose(cow.lr_dense, 90.51e-4, rel_tol=1e-4) and cow.l2 == 1e-5    # single-pass default
+    assert cow.lr_embed == 1e-4 and cow.count_lr_s == 8
+    base.optim.l2_rule = "scaled"                                  # the paper's L2 rule
+    assert math.isclose(resolve_optim(rule_config(base, "cowclip", 131072, 1024)).l2, 1.28e-3)
+    assert resolve_optim(rule_config(base, "none", 131072, 1024)).count_lr_s == 1.0
 
 
 def test_study_table_png_and_resume(tmp_path):
