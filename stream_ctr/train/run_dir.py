@@ -79,10 +79,12 @@ def choose_run_dir(cfg: Config, resume: str | None, now_s: float | None = None) 
 
 
 def point_latest(run_dir: Path) -> None:
-    """Make `<parent>/latest` a relative link to `run_dir`, if that is safe: never over
-    a real directory (a run written there by an older version stays where it is)."""
+    """Make `runs/latest` a relative link to `run_dir` when it lives in `runs/` (other
+    directories get no link beside them), and never over a real directory (a run
+    written there by an older version stays where it is)."""
     link = run_dir.parent / LATEST
-    if run_dir.name == LATEST or (link.exists() and not link.is_symlink()):
+    if run_dir.parent.resolve() != RUNS_ROOT.resolve() or run_dir.name == LATEST \
+            or (link.exists() and not link.is_symlink()):
         return
     tmp = run_dir.parent / f".{LATEST}.{os.getpid()}"
     try:

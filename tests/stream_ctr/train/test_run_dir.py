@@ -43,6 +43,7 @@ def test_a_new_run_into_a_directory_with_a_run_is_refused(tmp_path):
     assert again.returncode != 0
     assert "mine already holds a run" in again.stderr and "--resume mine" in again.stderr
     assert len(list((tmp_path / "mine" / "checkpoints").glob("ckpt-*"))) == 1
+    assert not (tmp_path / "latest").exists()         # only runs/ gets a latest link
 
 
 def test_choose_run_dir_rules(tmp_path, monkeypatch):
