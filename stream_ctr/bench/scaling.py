@@ -126,6 +126,7 @@ def run_cell(base: Config, rule: str, batch_size: int, base_batch: int, seed: in
             "calibration": s.test.get("calibration", float("nan")),
             "test_records": s.test.get("records", 0), "records": s.records_trained, "steps": s.batches,
             "samples_per_s": s.samples_per_s, "clipped_row_fraction": s.clipped_row_fraction,
+            "clip_ratio_p50_le": s.clip_ratio.get("p50_le"), "clip_ratio_p99_le": s.clip_ratio.get("p99_le"),
             # what the rule made of the optimizer for this batch (after --scale-from)
             "lr_dense": s.optim.get("lr_dense"), "lr_embed": s.optim.get("lr_embed"), "l2": s.optim.get("l2"),
             "epochs": cfg.data.epochs, "bayes_auc": s.test.get("bayes_auc"),

@@ -17,7 +17,7 @@ from stream_ctr.config import ConfigError, load_config, set_option
 
 EPILOG = """examples:
   stream-ctr train                                  # DeepFM on the bundled Criteo sample
-  stream-ctr train criteo:data/day_0.gz --batch-size 65536 --set optim.lr_dense=8e-3
+  stream-ctr train criteo:data/day_0.gz --batch-size 65536 --scale-from 1024 --set optim.warmup_samples=500000
   stream-ctr train --resume runs/latest             # continue exactly where a run stopped
   stream-ctr eval runs/latest --json                # the run's held-out rows
   stream-ctr synth /tmp/criteo_1m.tsv --records 1000000

@@ -256,6 +256,19 @@ class ClipRatioTally:
         self.sum += ratio_sum
         self.rows += rows
 
+    def quantile_upper(self, q: float) -> float:
+        """The smallest bucket edge at or above the q-quantile (inf past the last edge;
+        NaN before any row)."""
+        if not self.rows:
+            return float("nan")
+        i = int(np.searchsorted(self.le, q * self.rows, side="left"))
+        return float(self.edges[i]) if i < len(self.edges) else float("inf")
+
+    def summary(self) -> dict[str, float]:
+        """For a run summary: rows, mean ratio and bucket upper bounds of p50/p99."""
+        return {"rows": self.rows, "mean": self.sum / self.rows if self.rows else float("nan"),
+                "p50_le": self.quantile_upper(0.5), "p99_le": self.quantile_upper(0.99)}
+
 
 # Metrics set directly by TrainerMetrics; the rest come from the collectors.
 _DIRECT = frozenset(f"{NAMESPACE}_{n}" for n in (

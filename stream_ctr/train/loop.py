@@ -46,6 +46,9 @@ class RunSummary:
     # rows present in a batch whose gradient was clipped, and at the norm floor.
     clipped_row_fraction: float = 0.0
     floor_row_fraction: float = 0.0
+    # ||gradient|| / clip threshold over every present row (1 = the clip binds): rows,
+    # mean, and the bucket edges that bound its median and 99th percentile.
+    clip_ratio: dict = field(default_factory=dict)
     seconds: float = 0.0
     samples_per_s: float = 0.0
     window: dict[str, float] = field(default_factory=dict)
@@ -273,6 +276,7 @@ class Run:
         s.window = self.window.window().as_dict()
         s.clipped_row_fraction = self.rows_clipped / max(self.rows_touched, 1)
         s.floor_row_fraction = self.rows_at_floor / max(self.rows_touched, 1)
+        s.clip_ratio = self.monitor.metrics.clip_ratio.summary()
         s.rejected_by_reason = dict(self.dead_letter.counts)
         s.records_rejected = sum(self.dead_letter.counts.values())
         self.dead_letter.close()

@@ -372,3 +372,15 @@ def test_server_serves_on_loopback_and_refuses_a_busy_port(reg):
             MetricsServer(CollectorRegistry(), port)
     finally:
         server.close()
+
+
+def test_clip_ratio_quantiles_are_bucket_upper_bounds():
+    from stream_ctr.telemetry.metrics import ClipRatioTally
+    t = ClipRatioTally()
+    assert t.summary()["rows"] == 0
+    edges = np.array(t.edges)
+    ratios = np.concatenate([np.full(60, 1e-3), np.full(39, 0.3), [100.0]])    # 100 rows
+    t.add((ratios[:, None] <= edges[None, :]).sum(0), float(ratios.sum()), 100)
+    s = t.summary()
+    assert s["p50_le"] == edges[edges >= 1e-3][0] and s["p99_le"] == edges[edges >= 0.3][0]
+    assert t.quantile_upper(1.0) == float("inf") and np.isclose(s["mean"], ratios.mean())
