@@ -216,7 +216,9 @@ def set_option(cfg: Config, dotted: str, value: Any, origin: str = "override") -
     section, _, name = dotted.partition(".")
     sub = getattr(cfg, section, None)
     if sub is None or not dataclasses.is_dataclass(sub) or not name:
-        raise ConfigError(f"{origin}: unknown option '{dotted}' (use section.name, e.g. model.name)")
+        sections = [f.name for f in dataclasses.fields(cfg)]
+        raise ConfigError(f"{origin}: unknown option '{dotted}' (use section.name, e.g. model.name; "
+                          f"sections: {', '.join(sections)})")
     fields = {f.name: f for f in dataclasses.fields(sub)}
     if name not in fields:
         raise ConfigError(f"{origin}: unknown option '{dotted}' "
@@ -249,7 +251,10 @@ def _convert(value: Any, default: Any, dotted: str, origin: str) -> Any:
             return float(value)
         return str(value)
     except (TypeError, ValueError):
-        kind = type(default).__name__
+        kind = {bool: "true or false", tuple: "a comma-separated list of integers",
+                float: "a number", int: "an integer"}.get(type(default), type(default).__name__)
+        if isinstance(default, int) and dotted.endswith("_bytes"):
+            kind = "a byte size (an integer, or e.g. 512MiB, 2GB, 64G)"
         raise ConfigError(f"{origin}: option '{dotted}' must be {kind}, got {value!r}") from None
 
 

@@ -143,9 +143,10 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
                                    "file order), from which any split's Bayes AUC follows; `train` "
                                    "reports it as test bayes_auc when the sidecar is there.")
     p.add_argument("output", help="output path (.gz for gzip)")
-    p.add_argument("--records", type=int, default=1_000_000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids")
+    p.add_argument("--records", type=int, default=1_000_000, help="rows to write (default 1,000,000)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the ids, the teacher and the labels "
+                   "(default 0; the same seed writes the same file)")
+    p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids (default 1.05)")
     _add_common(p)
     p.set_defaults(func=cmd_synth)
 
@@ -154,11 +155,14 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks that print a table")
     bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     b = bsub.add_parser("train", help="training throughput and peak memory of DeepFM")
-    b.add_argument("--records", type=int, default=1_000_000, help="rows of synthetic Criteo data")
-    b.add_argument("--batch-sizes", default="1024,8192,65536")
-    b.add_argument("--model", default="deepfm")
+    b.add_argument("--records", type=int, default=1_000_000,
+                   help="rows of synthetic Criteo data (default 1,000,000)")
+    b.add_argument("--batch-sizes", default="1024,8192,65536",
+                   help="batch sizes to time, comma-separated (default 1024,8192,65536)")
+    b.add_argument("--model", default="deepfm", help="deepfm, wdl, dcn or dcnv2 (default deepfm)")
     b.add_argument("--data", help="use this Criteo file instead of generating one")
-    b.add_argument("--threads", type=int, default=0)
+    b.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (default 0: torch's choice, usually every core)")
     _add_common(b)
     b.set_defaults(func=cmd_bench_train)
     from stream_ctr.cli.kafka import add_bench_ingest_parser

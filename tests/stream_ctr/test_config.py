@@ -33,11 +33,12 @@ def test_bad_values_name_the_option(override, needle):
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("data.batch_size=lots", "must be int"),
+    ("data.batch_size=lots", "must be an integer"),
+    ("store.cache_bytes=abc", "must be a byte size .* 512MiB"),
     ("model.colour=red", "unknown option 'model.colour'"),
-    ("nosection.x=1", "unknown option"),
+    ("nosection.x=1", "unknown option .*sections: data, model, optim"),
     ("justtext", "section.name=value"),
-    ("optim.cowclip=maybe", "must be bool"),
+    ("optim.cowclip=maybe", "must be true or false"),
 ])
 def test_unparseable_overrides(override, needle):
     with pytest.raises(ConfigError, match=needle):
