@@ -73,6 +73,7 @@ class ReplaySummary:
     first_offset: int         # data line the replay started at (--resume)
     next_offset: int          # data line to --resume from
     interrupted: bool = False
+    created_topic: bool = False   # the topic did not exist: replay created it
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -99,8 +100,8 @@ def replay_file(source: str, to: str, rate: float = 0.0, key: str = "none", resu
     """Produce the data lines of `source` (a path or FORMAT:PATH) to the topic of `to`.
 
     `rate` caps records/s (0 = as fast as possible); `limit` stops after that
-    many lines (0 = to the end); `partitions` > 0 creates the topic with that
-    many partitions if it does not exist; `retry_s` (default `RETRY_S`) is
+    many lines (0 = to the end); a topic that does not exist is created with
+    `partitions` partitions (0: one; the summary's `created_topic` says so); `retry_s` (default `RETRY_S`) is
     how long retriable send failures are retried.  Blocks until done; Ctrl-C
     stops after acknowledging what was sent and reports it (``interrupted``).
     ReplayError if sending or reading fails (see the module docstring).
@@ -115,12 +116,13 @@ def replay_file(source: str, to: str, rate: float = 0.0, key: str = "none", resu
     retry_s = RETRY_S if retry_s is None else max(float(retry_s), 0.0)
     topic = url.topics[0]
     n_partitions = topic_partitions(url, topic)
-    if not n_partitions and partitions:
-        create_topic(url, topic, partitions)
-        n_partitions = topic_partitions(url, topic)
+    created = False
     if not n_partitions:
-        raise SourceError(f"topic {topic!r} does not exist on {','.join(url.bootstrap)}; create it "
-                          "or pass --partitions N to create it with N partitions")
+        create_topic(url, topic, partitions or 1)
+        n_partitions, created = topic_partitions(url, topic), True
+    if not n_partitions:
+        raise SourceError(f"topic {topic!r} does not exist on {','.join(url.bootstrap)} and creating "
+                          "it did not take; create it with the broker's tools")
     route = _router(key, fmt, n_partitions, packed)
     # A send's own retries end after `delivery`; replay_file's rounds go on to `retry_s`.
     delivery_ms = int(min(max(retry_s, 1.0), 120.0) * 1000)
@@ -152,7 +154,7 @@ def replay_file(source: str, to: str, rate: float = 0.0, key: str = "none", resu
     summary = ReplaySummary(str(path), topic, n_partitions, state.records, state.messages,
                             state.bytes, seconds, state.records / max(seconds, 1e-9),
                             state.bytes / 1e6 / max(seconds, 1e-9), resume, state.resume_point(),
-                            state.interrupted)
+                            state.interrupted, created)
     if failure:
         raise ReplayError(f"replay of {path} to {topic} stopped: {failure}; {summary.records:,} "
                           f"records were acknowledged (data lines {resume:,} on); resume with "

@@ -32,7 +32,7 @@ def add_replay_parser(sub: argparse._SubParsersAction,
     p.add_argument("--packed", type=int, default=1, metavar="N",
                    help="lines per message (default 1; 1000 makes fetching ~20x cheaper)")
     p.add_argument("--partitions", type=int, default=0,
-                   help="create the topic with N partitions if it does not exist")
+                   help="partitions of the topic if replay has to create it (default: 1)")
     add_common(p)
     p.set_defaults(func=cmd_replay)
 
@@ -60,6 +60,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     progress=progress)
     if sys.stderr.isatty() and not args.quiet:
         print(file=sys.stderr)
+    if s.created_topic and not args.quiet:
+        more = "" if args.partitions else " (it did not exist; --partitions N creates it with N)"
+        print(f"replay: created topic {s.topic} with {s.partitions} partition(s){more}",
+              file=sys.stderr)
     stopped = " (interrupted)" if s.interrupted else ""
     emit(args, s.as_dict(),
          f"replayed {s.records:,} records in {s.messages:,} messages ({s.bytes / 1e6:,.1f} MB) to "

@@ -46,9 +46,15 @@ def test_keyed_replay_sends_one_key_to_one_partition_and_skips_the_avazu_header(
     assert len(set(partition_of.values())) > 1
 
 
+def test_replay_creates_a_missing_topic_and_says_so(kafka):
+    topic = f"replay-missing-{kafka.topic()}"
+    s = replay_file("criteo:sample", kafka.url(topic), limit=50)
+    assert s.created_topic and s.partitions == 1 and s.records == 50
+    again = replay_file("criteo:sample", kafka.url(topic), limit=10)
+    assert not again.created_topic
+
+
 def test_replay_errors(kafka):
-    with pytest.raises(SourceError, match="does not exist"):
-        replay_file("criteo:sample", kafka.url("replay-missing-topic"))
     topic = kafka.topic()
     with pytest.raises(SourceError, match="--key"):
         replay_file("criteo:sample", kafka.url(topic), key="field:nope")
@@ -64,7 +70,7 @@ def test_replay_cli_json_summary(kafka, capsys):
     assert code == 0
     assert (summary["records"], summary["messages"], summary["partitions"], summary["next_offset"]) == \
         (250, 5, 3, 250)
-    assert main(["replay", "criteo:sample", "--to", "kafka://nohost/t"]) == 2
+    assert main(["replay", "criteo:sample", "--to", "kafka://nohost/t"]) == 3       # the source
     assert "HOST:PORT" in capsys.readouterr().err
 
 
@@ -135,7 +141,7 @@ def test_truncated_gzip_stops_with_what_was_produced_and_next_offset(kafka, monk
     assert 0 < s.records == s.next_offset < 6000
     assert [r.value for r in kafka.read_all(topic, idle_ms=1000)] == CRITEO_LINES[:s.next_offset]
     # The command: one error line, non-zero status.
-    assert main(["replay", f"criteo:{path}", "--to", kafka.url(kafka.topic()), "--quiet"]) == 2
+    assert main(["replay", f"criteo:{path}", "--to", kafka.url(kafka.topic()), "--quiet"]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "truncated" in err[0] and "--resume" in err[0], err
 
@@ -144,7 +150,7 @@ def test_a_bad_key_creates_no_topic(kafka, capsys):
     from stream_ctr.connectors.kafka.options import parse_kafka_url
     from stream_ctr.connectors.kafka.sink import topic_partitions
     url = kafka.url("replay-bad-key")
-    assert main(["replay", "criteo:sample", "--to", url, "--partitions", "5", "--key", "field:nope"]) == 2
+    assert main(["replay", "criteo:sample", "--to", url, "--partitions", "5", "--key", "field:nope"]) == 3
     assert "--key" in capsys.readouterr().err
     assert topic_partitions(parse_kafka_url(url), "replay-bad-key") == 0
 

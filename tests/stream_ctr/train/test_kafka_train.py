@@ -95,14 +95,15 @@ def test_resume_inside_packed_messages_is_bit_identical(kafka, tmp_path):
 
 def test_user_errors_are_one_line(kafka, tmp_path, capsys):
     run = ["--run-dir", str(tmp_path / "run"), "--quiet", "--set", "kafka.connect_timeout_s=1"]
-    cases = [(["kafka://127.0.0.1:9/clicks"], "cannot reach a Kafka broker at 127.0.0.1:9"),
-             ([kafka.url("no-such-topic-abc")], "topic 'no-such-topic-abc' does not exist"),
-             (["kafka://127.0.0.1/clicks"], "must be HOST:PORT"),
-             ([kafka.url("t") + "?colour=red"], "unknown parameter 'colour'"),
-             ([kafka.url("t"), "--holdout-fraction", "0.1"], "data.holdout_fraction needs a file"),
-             ([kafka.url("t"), "--set", "kafka.value_format=xml"], "kafka.value_format")]
-    for args, message in cases:
-        assert main(["train", *args, *run]) == 2, args
+    # exit codes: 3 the source (its URL, broker, topic), 2 the command or config
+    cases = [(["kafka://127.0.0.1:9/clicks"], "cannot reach a Kafka broker at 127.0.0.1:9", 3),
+             ([kafka.url("no-such-topic-abc")], "topic 'no-such-topic-abc' does not exist", 3),
+             (["kafka://127.0.0.1/clicks"], "must be HOST:PORT", 3),
+             ([kafka.url("t") + "?colour=red"], "unknown parameter 'colour'", 3),
+             ([kafka.url("t"), "--holdout-fraction", "0.1"], "data.holdout_fraction needs a file", 2),
+             ([kafka.url("t"), "--set", "kafka.value_format=xml"], "kafka.value_format", 2)]
+    for args, message, code in cases:
+        assert main(["train", *args, *run]) == code, args
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("stream-ctr: error: ") and message in err[-1], (args, err)
     dlq = "no-such-topic-abc.dead-letter"          # nothing was created for the typo
