@@ -79,7 +79,7 @@ def rows() -> list[tuple[str, list[dict]]]:
                 (f"stream_ctr_prequential_auc_baseline{S}", "baseline rank {{rank}}")], "none"),
             panel("timeseries", "Logloss", [
                 (f"stream_ctr_prequential_logloss{S}", "window rank {{rank}}"),
-                (f"sum by (rank) (rate(stream_ctr_prequential_logloss_sum_total{S}[5m])) / "
+                (f"sum by (rank) (rate(stream_ctr_prequential_logloss_nats_total{S}[5m])) / "
                  f"sum by (rank) (rate(stream_ctr_prequential_records_total{S}[5m]))", "5m rank {{rank}}")],
                 "none"),
             panel("timeseries", "Calibration (predicted / observed CTR)", [
@@ -155,19 +155,21 @@ def rows() -> list[tuple[str, list[dict]]]:
                 (f"sum by (rank) (increase(stream_ctr_batches_skipped_total{NONFINITE}[1h]))",
                  "rank {{rank}}")], "short", w=6),
             panel("timeseries", "Memory", [
-                (f"stream_ctr_process_resident_memory_bytes{S}", "RSS rank {{rank}}"),
+                ('process_resident_memory_bytes{job=~"$job"}', "RSS {{instance}}"),
                 (f"stream_ctr_process_peak_resident_memory_bytes{S}", "peak RSS rank {{rank}}"),
                 (f"stream_ctr_gpu_memory_allocated_bytes{S}", "GPU rank {{rank}}")], "bytes", w=6),
             panel("stat", "Targets up", [('sum(up{job=~"$job"})', "up")], "short", w=3),
             panel("stat", "Uptime", [(f"max(time() - stream_ctr_start_time_seconds{S})", "uptime")],
                   "s", w=3),
+            panel("stat", "Version (ranks)", [(f"count by (version, torch) (stream_ctr_build_info{S})",
+                                               "{{version}} torch {{torch}}")], "short", w=6),
             panel("timeseries", "Up: scrape, broker connection, backpressure", [
                 ('up{job=~"$job"}', "scraped {{instance}}"),
                 (f"stream_ctr_source_connected{S}", "broker connected rank {{rank}}"),
                 (f"stream_ctr_source_paused{S}", "fetch paused rank {{rank}}")], "short", w=12, h=6,
                 minmax=(0, 1)),
             panel("timeseries", "CPU (cores busy)", [
-                (f"sum by (rank) (rate(stream_ctr_process_cpu_seconds_total{S}{RI}))", "rank {{rank}}")],
+                (f'sum by (instance) (rate(process_cpu_seconds_total{{job=~"$job"}}{RI}))', "{{instance}}")],
                 "short", w=12, h=6),
         ]),
     ]

@@ -74,7 +74,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _spec("prequential_auc_baseline", "gauge", R,
           "Configured AUC baseline (metrics.auc_baseline) for the AUC alert; absent when unset."),
     _spec("prequential_records_total", "counter", R, "Records scored prequentially over the run."),
-    _spec("prequential_logloss_sum_total", "counter", R,
+    _spec("prequential_logloss_nats_total", "counter", R,
           "Sum of per-record prequential logloss (nats); rate() / rate(records) = windowed logloss."),
     _spec("prequential_predicted_clicks_total", "counter", R, "Sum of predicted click probabilities."),
     _spec("prequential_clicks_total", "counter", R, "Sum of observed click labels."),
@@ -114,19 +114,23 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _spec("embedding_admissions_rejected_total", "counter", R,
           "New keys not given a row yet (admission policy: seen fewer than N times)."),
     _spec("embedding_expired_total", "counter", R, "Rows deleted by TTL expiry."),
-    # process
-    _spec("process_resident_memory_bytes", "gauge", R, "Resident set size of the trainer process."),
+    # process (RSS, CPU, fds: prometheus_client's standard process_* collector, STANDARD_NAMES)
     _spec("process_peak_resident_memory_bytes", "gauge", R, "Peak resident set size of the process."),
-    _spec("process_cpu_seconds_total", "counter", R, "User + system CPU time of the process."),
     _spec("gpu_memory_allocated_bytes", "gauge", R, "CUDA memory allocated by torch; absent on CPU."),
     _spec("start_time_seconds", "gauge", R, "When this trainer process started (unix seconds)."),
+    _spec("build_info", "gauge", "rank version torch python",
+          "Always 1; the labels say which stream_ctr, torch and Python the trainer runs."),
 )
+# Families of prometheus_client's standard process collector (Linux), exported beside ours.
+STANDARD_NAMES = frozenset({
+    "process_resident_memory_bytes", "process_virtual_memory_bytes", "process_cpu_seconds_total",
+    "process_start_time_seconds", "process_open_fds", "process_max_fds"})
 SPECS: dict[str, MetricSpec] = {s.name: s for s in CATALOGUE}
 
 
 def exported_names() -> frozenset[str]:
     """Every sample name a stream_ctr trainer can expose (histogram suffixes included)."""
-    return frozenset(n for s in CATALOGUE for n in s.series_names)
+    return frozenset(n for s in CATALOGUE for n in s.series_names) | STANDARD_NAMES
 
 
 def spec(short: str) -> MetricSpec:

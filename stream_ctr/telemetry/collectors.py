@@ -170,11 +170,11 @@ class RunCollector(Collector):
     """Ages computed at scrape time and the prequential window's run totals."""
 
     SHORTS = ("event_freshness_seconds", "last_checkpoint_age_seconds", "last_merge_age_seconds",
-              "prequential_records_total", "prequential_logloss_sum_total",
+              "prequential_records_total", "prequential_logloss_nats_total",
               "prequential_predicted_clicks_total", "prequential_clicks_total",
               "cowclip_gradient_threshold_ratio")
     TOTALS = (("total_records", "prequential_records_total"),
-               ("total_logloss_sum", "prequential_logloss_sum_total"),
+               ("total_logloss_sum", "prequential_logloss_nats_total"),
                ("total_prob_sum", "prequential_predicted_clicks_total"),
                ("total_label_sum", "prequential_clicks_total"))
 
@@ -218,10 +218,10 @@ def _rss_bytes() -> tuple[float | None, float]:
 
 
 class ProcessCollector(Collector):
-    """Process memory and CPU with the rank label (and torch's CUDA memory on a GPU)."""
+    """What prometheus_client's standard process collector lacks: peak RSS, and torch's
+    CUDA memory on a GPU (with the rank label)."""
 
-    SHORTS = ("process_resident_memory_bytes", "process_peak_resident_memory_bytes",
-              "process_cpu_seconds_total", "gpu_memory_allocated_bytes")
+    SHORTS = ("process_peak_resident_memory_bytes", "gpu_memory_allocated_bytes")
 
     def __init__(self, rank: str) -> None:
         self.rank = rank
@@ -232,12 +232,8 @@ class ProcessCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         r = [self.rank]
         fams = {s: family(s) for s in self.SHORTS}
-        rss, peak = _rss_bytes()
-        if rss is not None:
-            fams["process_resident_memory_bytes"].add_metric(r, float(rss))
+        _, peak = _rss_bytes()
         fams["process_peak_resident_memory_bytes"].add_metric(r, peak)
-        t = os.times()
-        fams["process_cpu_seconds_total"].add_metric(r, t.user + t.system)
         torch = sys.modules.get("torch")      # never import torch (or start CUDA) from a scrape
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             fams["gpu_memory_allocated_bytes"].add_metric(r, float(torch.cuda.memory_allocated()))

@@ -14,11 +14,14 @@ component owns are read at scrape time by custom collectors
 """
 from __future__ import annotations
 
+import platform
+import sys
 import time
 from collections import Counter as _Tally
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from stream_ctr.ops.cowclip_adam import CLIP_RATIO_EDGES
@@ -66,6 +69,8 @@ class TrainerMetrics:
         self._run = mc.RunCollector(self)
         for c in (self._store, self._source, self._run, mc.ProcessCollector(self.rank)):
             registry.register(c)
+        # The standard process_* families (RSS, CPU seconds, fds, start time), per process.
+        prometheus_client.ProcessCollector(registry=registry)
         self._init_series(reasons, auc_baseline)
 
     def _metric(self, short: str) -> Any:
@@ -86,6 +91,8 @@ class TrainerMetrics:
         # showing its last rate.
         self._metric("samples_per_second").labels(rank=r).set_function(self.current_samples_per_s)
         self._metric("start_time_seconds").labels(rank=r).set(self.started_s)
+        self._metric("build_info").labels(rank=r, version=_version(), torch=_torch_version(),
+                                          python=platform.python_version()).set(1)
         if auc_baseline > 0:
             self._metric("prequential_auc_baseline").labels(rank=r).set(auc_baseline)
 
@@ -278,7 +285,22 @@ _DIRECT = frozenset(f"{NAMESPACE}_{n}" for n in (
     "prequential_calibration", "prequential_normalized_entropy", "prequential_window_records", "prequential_auc_baseline",
     "last_trained_event_timestamp_seconds", "checkpoints_total",
     "last_checkpoint_timestamp_seconds", "last_checkpoint_bytes", "merges_total",
-    "merge_bytes_total", "last_merge_timestamp_seconds", "last_merge_bytes", "start_time_seconds"))
+    "merge_bytes_total", "last_merge_timestamp_seconds", "last_merge_bytes", "start_time_seconds",
+    "build_info"))
+
+# Every counter and histogram would also export a `_created` series per label set (the
+# client_python default): twice the series for no use here, so they are off.
+prometheus_client.disable_created_metrics()
+
+
+def _version() -> str:
+    from stream_ctr import __version__
+    return __version__
+
+
+def _torch_version() -> str:
+    torch = sys.modules.get("torch")       # never import torch just to label a metric
+    return getattr(torch, "__version__", "not loaded") if torch is not None else "not loaded"
 
 
 class MetricsServer:

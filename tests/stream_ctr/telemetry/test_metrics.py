@@ -17,6 +17,7 @@ from stream_ctr.telemetry.metrics import MetricsServer, TrainerMetrics
 from tests.prometheus_server import free_port
 
 FIXED_LABELS = {"rank", "partition", "tier", "reason", "phase"}
+BUILD_LABELS = {"version", "torch", "python"}          # stream_ctr_build_info only
 
 
 class Clock:
@@ -44,7 +45,8 @@ def test_catalogue_follows_the_naming_rules():
     for s in CATALOGUE:
         assert s.name.startswith(NAMESPACE + "_"), s.name
         assert (s.kind == "counter") == s.name.endswith("_total"), s.name
-        assert "rank" in s.labels and set(s.labels) <= FIXED_LABELS, s.name
+        allowed = FIXED_LABELS | (BUILD_LABELS if s.name.endswith("_build_info") else set())
+        assert "rank" in s.labels and set(s.labels) <= allowed, s.name
         assert s.help.endswith(".") or s.help.endswith(")"), s.name
     assert len({s.name for s in CATALOGUE}) == len(CATALOGUE)
 
@@ -302,7 +304,7 @@ def test_prequential_totals_from_the_window(reg):
     assert value(reg, "stream_ctr_prequential_clicks_total") == 3
     assert value(reg, "stream_ctr_prequential_predicted_clicks_total") == pytest.approx(2.8, rel=1e-6)
     expected = -(np.log(0.9) + np.log(0.9) + np.log(0.2) + 2 * np.log(0.5))
-    assert value(reg, "stream_ctr_prequential_logloss_sum_total") == pytest.approx(expected, rel=1e-5)
+    assert value(reg, "stream_ctr_prequential_logloss_nats_total") == pytest.approx(expected, rel=1e-5)
 
 
 def test_prequential_totals_of_a_resumed_window_count_from_the_resume(reg):
@@ -320,11 +322,31 @@ def test_prequential_totals_of_a_resumed_window_count_from_the_resume(reg):
 
 def test_process_metrics(reg):
     TrainerMetrics(reg, rank=3)
-    rss = reg.get_sample_value("stream_ctr_process_resident_memory_bytes", {"rank": "3"})
+    rss = reg.get_sample_value("process_resident_memory_bytes")        # the standard collector
     peak = reg.get_sample_value("stream_ctr_process_peak_resident_memory_bytes", {"rank": "3"})
     assert rss and rss > 1 << 20 and peak >= rss * 0.5
-    assert reg.get_sample_value("stream_ctr_process_cpu_seconds_total", {"rank": "3"}) > 0
+    assert reg.get_sample_value("process_cpu_seconds_total") > 0
     assert reg.get_sample_value("stream_ctr_start_time_seconds", {"rank": "3"}) > 0
+
+
+def test_scrape_is_clean_per_the_client_guide(reg):
+    """What Prometheus reads: no _created series, a build_info, NE, the standard process
+    families; no counter named like a histogram's _sum."""
+    from stream_ctr import __version__
+    m = TrainerMetrics(reg, rank=0)
+    m.observe_batch(64, False, {"update": 0.01}, 1, None,
+                    {"auc": 0.7, "logloss": 0.4, "calibration": 1.0, "records": 64, "ne": 0.85}, 10)
+    m.observe_read(("p",), np.zeros(2, np.int32), rejected("bad_label", 1, "p"), 0.1)
+    from prometheus_client import generate_latest
+    text = generate_latest(reg).decode()
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"}
+    assert not [n for n in names if n.endswith("_created")], text
+    assert f'version="{__version__}"' in text and "stream_ctr_build_info{" in text
+    assert value(reg, "stream_ctr_prequential_normalized_entropy") == 0.85
+    for family in ("process_resident_memory_bytes", "process_cpu_seconds_total",
+                   "process_start_time_seconds", "process_open_fds"):
+        assert family in names, family
+    assert not [n for n in names if n.endswith("_sum_total")]
 
 
 class SourceStub:
@@ -348,7 +370,8 @@ def test_every_sample_is_in_the_catalogue_and_the_global_registry_is_untouched(r
     assert names <= exported_names(), sorted(names - exported_names())
     missing = {s.name for s in CATALOGUE if not set(s.series_names) & names}
     assert missing <= {"stream_ctr_gpu_memory_allocated_bytes"}, missing   # CUDA only
-    assert all(s.labels["rank"] == "1" for fam in reg.collect() for s in fam.samples)
+    assert all(s.labels["rank"] == "1" for fam in reg.collect() for s in fam.samples
+               if not fam.name.startswith("process_"))     # the standard collector has no rank
     assert not any(n.startswith("stream_ctr") for n in REGISTRY._names_to_collectors)
 
 
