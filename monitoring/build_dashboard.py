@@ -90,7 +90,9 @@ def rows() -> list[tuple[str, list[dict]]]:
             panel("timeseries", "Normalized entropy (logloss / base-rate logloss; < 1 beats the base rate)", [
                 (f"stream_ctr_prequential_normalized_entropy{S}", "window rank {{rank}}")], "none", w=16),
             panel("stat", "Records in the AUC window", [
-                (f"sum(stream_ctr_prequential_window_records{S})", "records")], "short", w=8),
+                (f"sum(stream_ctr_prequential_window_records{S})", "records")], "short", w=4),
+            panel("stat", "Passes completed (>= 1: the window re-reads trained rows)", [
+                (f"max(stream_ctr_epochs_completed{S})", "passes")], "short", w=4),
         ]),
         ("Freshness and lag", [
             panel("timeseries", "Consumer lag per partition (records)", [

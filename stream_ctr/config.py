@@ -416,6 +416,6 @@ def describe_optim(r: ResolvedOptim) -> str:
         warm += " - under 4 steps at this batch: raise optim.warmup_samples (README, large batches)"
     clip = (f"cowclip r={r.cowclip_r:g} zeta={r.cowclip_zeta:g} ({r.cowclip_units} units)"
             if r.cowclip else "no cowclip")
-    return (f"optim: {rule}: lr_dense {r.lr_dense:.4g}, lr_embed {r.lr_embed:.4g} "
-            f"({r.embed_lr_rule} per row{f', s={r.count_lr_s:g}' if r.count_lr_s > 1 else ''}), l2 {r.l2:.4g}, {warm}, {clip}"
+    return (f"optim: {rule}: lr_dense {r.lr_dense:.4g}, lr_embed {r.lr_embed:.4g}"
+            f"{f' (count per row, s={r.count_lr_s:g})' if r.count_lr_s > 1 else ''}, l2 {r.l2:.4g}, {warm}, {clip}"
             f"{', output bias from the first batch' if r.init_bias_from_data else ''}")

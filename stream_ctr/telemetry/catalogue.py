@@ -71,6 +71,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
           "Normalized entropy of the sliding window: logloss / logloss of predicting its observed "
           "CTR (below 1 beats the base rate)."),
     _spec("prequential_window_records", "gauge", R, "Records currently in the sliding window."),
+    _spec("epochs_completed", "gauge", R,
+          "Passes over a file source completed (--epochs); from 1 on, the prequential window "
+          "scores rows the model has trained on (not held out)."),
     _spec("prequential_auc_baseline", "gauge", R,
           "Configured AUC baseline (metrics.auc_baseline) for the AUC alert; absent when unset."),
     _spec("prequential_records_total", "counter", R, "Records scored prequentially over the run."),

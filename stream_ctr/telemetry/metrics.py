@@ -91,6 +91,7 @@ class TrainerMetrics:
         # showing its last rate.
         self._metric("samples_per_second").labels(rank=r).set_function(self.current_samples_per_s)
         self._metric("start_time_seconds").labels(rank=r).set(self.started_s)
+        self._metric("epochs_completed").labels(rank=r).set(0)
         self._metric("build_info").labels(rank=r, version=_version(), torch=_torch_version(),
                                           python=platform.python_version()).set(1)
         if auc_baseline > 0:
@@ -175,6 +176,10 @@ class TrainerMetrics:
             self.observe_accuracy(accuracy)
         self._store.after_batch(rows_touched)
         self._update_rate()
+
+    def observe_epoch(self, completed: int) -> None:
+        """Passes over a file source completed: from 1 on, the window scores rows seen before."""
+        self._metric("epochs_completed").labels(rank=self.rank).set(completed)
 
     def observe_accuracy(self, acc: Mapping[str, float]) -> None:
         """Sliding-window accuracy: keys auc, logloss, calibration, records (NaN skipped)."""
@@ -286,7 +291,7 @@ _DIRECT = frozenset(f"{NAMESPACE}_{n}" for n in (
     "last_trained_event_timestamp_seconds", "checkpoints_total",
     "last_checkpoint_timestamp_seconds", "last_checkpoint_bytes", "merges_total",
     "merge_bytes_total", "last_merge_timestamp_seconds", "last_merge_bytes", "start_time_seconds",
-    "build_info"))
+    "build_info", "epochs_completed"))
 
 # Every counter and histogram would also export a `_created` series per label set (the
 # client_python default): twice the series for no use here, so they are off.

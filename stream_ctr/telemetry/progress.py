@@ -31,14 +31,16 @@ class Progress:
         return time.perf_counter() - self.start
 
     def update(self, records: int, batches: int, auc: float, logloss: float,
-               force: bool = False) -> None:
+               force: bool = False, window: str = "prequential window") -> None:
+        """One progress line (at most every `every_s` unless `force`); `window` says what
+        the AUC and logloss are of (after the first pass: rows the model has seen)."""
         now = time.perf_counter()
         if not self.enabled or (not force and now - self._last < self.every_s):
             return
         self._last = now
         rate = records / max(now - self.start, 1e-9)
         line = (f"{self.label}: {records:,} records | {rate:,.0f} rec/s | {batches:,} batches | "
-                f"AUC {_fmt(auc)} | logloss {_fmt(logloss)} (prequential window)")
+                f"AUC {_fmt(auc)} | logloss {_fmt(logloss)} ({window})")
         if self.tty:
             self.stream.write("\r\033[K" + line)
             self._drawn = True

@@ -58,6 +58,9 @@ class RunSummary:
     source_stats: dict = field(default_factory=dict)   # Kafka: messages, outages, lag, ...
     optim: dict = field(default_factory=dict)          # the resolved optimizer settings
     stopped: bool = False               # SIGTERM / Ctrl-C ended it before the data did
+    # With --epochs > 1 and a holdout: the held-out accuracy after each completed pass
+    # (the window's AUC after the first pass scores rows the model has already seen).
+    test_per_epoch: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k not in ("window", "test")}
@@ -177,6 +180,8 @@ class Run:
         if state is not None:       # the checkpoint's age counts from when it was written
             manifest = resolve_checkpoint(resume) / "manifest.json"
             self.monitor.metrics.resumed_from_checkpoint(manifest.stat().st_mtime)
+        if self.epoch:
+            self.monitor.metrics.observe_epoch(self.epoch)
 
     def source_lag(self) -> dict[str, int]:
         """Consumer lag of the file source: records of the training range not yet trained."""
@@ -226,6 +231,22 @@ class Run:
             self.stream_ended = source.exhausted
         elif source.exhausted and not self.limit_reached:
             self.epoch, self.positions = self.epoch + 1, {}
+            self.monitor.metrics.observe_epoch(self.epoch)
+            if self.cfg.data.epochs > 1 and self.epoch < self.cfg.data.epochs and self.train_end < self.n_total:
+                self.summary.test_per_epoch.append({"epoch": self.epoch, **self.held_out()})
+
+    def held_out(self) -> dict[str, float]:
+        """Accuracy of the current model on the held-out tail (no training)."""
+        probs, labels = score(self.trainer, self.path, self.fmt, self.train_end, None,
+                              self.cfg.data.chunk_records)
+        return {**accuracy(probs, labels).as_dict(), **bayes_of_split(self.path, labels, self.train_end)}
+
+    def window_label(self) -> str:
+        """What the sliding window holds: after the first pass, rows scored a second time."""
+        if self.epoch == 0:
+            return "prequential window"
+        n = self.cfg.data.epochs
+        return f"window of re-read rows, pass {min(self.epoch + 1, n)} of {n}: not held out"
 
     @property
     def wants_more(self) -> bool:
@@ -281,10 +302,9 @@ class Run:
         s.records_rejected = sum(self.dead_letter.counts.values())
         self.dead_letter.close()
         if self.train_end < self.n_total:
-            probs, labels = score(self.trainer, self.path, self.fmt, self.train_end, None,
-                                  self.cfg.data.chunk_records)
-            s.test = accuracy(probs, labels).as_dict()
-            s.test.update(bayes_of_split(self.path, labels, self.train_end))
+            s.test = self.held_out()
+            if s.test_per_epoch:
+                s.test_per_epoch.append({"epoch": self.epoch, **s.test})
         self.monitor.close(s.as_dict())
         self.trainer.store.close()          # a tiered store waits for its I/O and closes LMDB
         return s
@@ -323,14 +343,16 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
                     run.record(batch, result)
                     acc = run.window.window()
                     run.monitor.on_batch(batch, result, acc)
-                    progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss)
+                    progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss,
+                                    window=run.window_label())
                     if every and run.summary.batches % every == 0:
                         run.checkpoint()
                     if stop.requested:
                         break
             run.end_epoch(source)
         acc = run.window.window()
-        progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss, force=True)
+        progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss, force=True,
+                        window=run.window_label())
         progress.close()
         run.checkpoint()
         run.summary.stopped = stop.requested

@@ -206,3 +206,20 @@ def test_a_full_disk_while_checkpointing_is_one_clear_error(tmp_path, monkeypatc
     monkeypatch.undo()
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]     # nothing left behind
     assert load_checkpoint(root).records_trained == 10
+
+
+def test_epochs_report_held_out_accuracy_per_pass_and_label_the_reread_window(tmp_path, capsys):
+    """With --epochs 2 the window after the first pass scores trained rows: the progress
+    line says so, the epoch gauge counts passes, and each pass has its held-out AUC."""
+    from stream_ctr.train.loop import Run
+    cfg = small_config(tmp_path, source="criteo:sample", epochs=2, holdout_fraction=0.1)
+    cfg.train.log_every_s = 0.0                      # a progress line per batch
+    s = train(cfg, show_progress=True)
+    err = capsys.readouterr().err
+    assert "(prequential window)" in err and "re-read rows, pass 2 of 2: not held out" in err
+    assert [e["epoch"] for e in s.test_per_epoch] == [1, 2]
+    assert s.test_per_epoch[-1]["auc"] == s.test["auc"] and 0.5 < s.test_per_epoch[0]["auc"] < 1
+    one = train(small_config(tmp_path / "one", source="criteo:sample", holdout_fraction=0.1),
+                show_progress=False)
+    assert one.test_per_epoch == []                  # a single pass: the test AUC says it all
+    assert Run.window_label.__doc__
