@@ -120,8 +120,15 @@ def rows() -> list[tuple[str, list[dict]]]:
                 (f"sum by (tier) (rate(stream_ctr_embedding_evictions_total{S}{RI}))", "evicted {{tier}}"),
                 (f"sum(rate(stream_ctr_embedding_admissions_rejected_total{S}{RI}))", "admission rejected"),
                 (f"sum(rate(stream_ctr_embedding_expired_total{S}{RI}))", "expired (TTL)"),
-                (f"sum(rate(stream_ctr_embedding_rows_clipped_total{S}{RI}))", "CowClip clipped")],
+                (f"sum(rate(stream_ctr_embedding_rows_clipped_total{S}{RI}))", "CowClip clipped"),
+                (f"sum by (reason) (rate(stream_ctr_embedding_evictions_by_reason_total{S}{RI}))",
+                 "evicted: {{reason}}")],
                 "short", w=6),
+            panel("timeseries", "Step waiting for tier I/O (s per s)", [
+                (f"sum by (rank) (rate(stream_ctr_embedding_prefetch_wait_seconds_total{S}{RI}))",
+                 "rank {{rank}}")], "percentunit", w=6,
+                description="Share of wall time the step waited for rows from RAM/LMDB; "
+                "growing with a large disk share asks for more RAM."),
             panel("timeseries", "CowClip: clipped share and ||gradient|| / threshold", [
                 (f"1 - sum(rate(stream_ctr_cowclip_gradient_threshold_ratio_bucket{{job=~\"$job\", rank=~\"$rank\", le=\"1.0\"}}{RI}))"
                  f" / sum(rate(stream_ctr_cowclip_gradient_threshold_ratio_count{S}{RI}))", "clipped share"),

@@ -98,4 +98,5 @@ class TieredReads:
                            "lookups": lk[tier]["hit"] + lk[tier]["miss"], "hits": lk[tier]["hit"],
                            "evictions": ev[evicted]}
         return {"tiers": tiers, "admissions_rejected": s["admissions_rejected"],
-                "expired": ev["ttl_steps"] + ev["ttl_seconds"]}
+                "expired": ev["ttl_steps"] + ev["ttl_seconds"], "evictions_by_reason": dict(ev),
+                "prefetch_wait_seconds": s["prefetch_wait_seconds"]}

@@ -117,6 +117,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _spec("embedding_admissions_rejected_total", "counter", R,
           "New keys not given a row yet (admission policy: seen fewer than N times)."),
     _spec("embedding_expired_total", "counter", R, "Rows deleted by TTL expiry."),
+    _spec("embedding_evictions_by_reason_total", "counter", "rank reason",
+          "Rows moved down or deleted, by reason: cache_to_ram, ram_to_disk, ttl_steps, "
+          "ttl_seconds, disk_capacity."),
+    _spec("embedding_prefetch_wait_seconds_total", "counter", R,
+          "Time the step waited for the tier I/O thread (the I/O it did not hide); growing "
+          "with a large disk share asks for more RAM."),
     # process (RSS, CPU, fds: prometheus_client's standard process_* collector, STANDARD_NAMES)
     _spec("process_peak_resident_memory_bytes", "gauge", R, "Peak resident set size of the process."),
     _spec("gpu_memory_allocated_bytes", "gauge", R, "CUDA memory allocated by torch; absent on CPU."),

@@ -57,7 +57,8 @@ class StoreCollector(Collector):
 
     SHORTS = ("embedding_rows", "embedding_bytes", "embedding_capacity_bytes",
               "embedding_lookups_total", "embedding_hits_total", "embedding_evictions_total",
-              "embedding_admissions_rejected_total", "embedding_expired_total")
+              "embedding_admissions_rejected_total", "embedding_expired_total",
+              "embedding_evictions_by_reason_total", "embedding_prefetch_wait_seconds_total")
 
     def __init__(self, rank: str) -> None:
         self.rank = rank
@@ -91,7 +92,7 @@ class StoreCollector(Collector):
         width = (getattr(store, "dim", 0) + 1) * 4 * 3      # row + Adam m and v, float32
         return {"tiers": {"device": {"rows": rows, "bytes": rows * width, "lookups": self._lookups,
                                      "hits": self._hits, "evictions": 0}},
-                "admissions_rejected": 0, "expired": 0}
+                "admissions_rejected": 0, "expired": 0, "prefetch_wait_seconds": 0.0}   # all resident
 
     def tier_stats(self) -> dict[str, dict[str, Any]]:
         return dict(self.snapshot().get("tiers", {}))
@@ -113,6 +114,11 @@ class StoreCollector(Collector):
         for key in ("admissions_rejected", "expired"):
             if snap.get(key) is not None:
                 fams[f"embedding_{key}_total"].add_metric([self.rank], float(snap[key]))
+        for reason, n in snap.get("evictions_by_reason", {}).items():
+            fams["embedding_evictions_by_reason_total"].add_metric([self.rank, reason], float(n))
+        if snap.get("prefetch_wait_seconds") is not None:
+            fams["embedding_prefetch_wait_seconds_total"].add_metric(
+                [self.rank], float(snap["prefetch_wait_seconds"]))
         return iter(fams.values())
 
 

@@ -32,6 +32,7 @@ MAY_BE_EMPTY = {
     "stream_ctr_last_merge_age_seconds",        # one rank: no k-step merges
     "stream_ctr_last_merge_bytes",
     "stream_ctr_gpu_memory_allocated_bytes",    # CPU machine
+    "stream_ctr_embedding_evictions_by_reason_total",   # the in-memory store never evicts
 }
 # A file source has no broker: no connection state, errors or group rebalances.
 FILE_SOURCE_EMPTY = {"stream_ctr_source_errors_total", "stream_ctr_source_connected",

@@ -238,7 +238,8 @@ class TieredStoreStub:
                                           "lookups": 50, "hits": 40, "evictions": 7},
                                "disk": {"rows": 900, "bytes": 90_000, "capacity_bytes": 100_000,
                                         "lookups": 10, "hits": 10}},
-                     "admissions_rejected": 12, "expired": 3}
+                     "admissions_rejected": 12, "expired": 3,
+                     "evictions_by_reason": {"cache_to_ram": 7, "ttl_steps": 3}, "prefetch_wait_seconds": 0.25}
 
     def metrics_snapshot(self) -> dict:
         return self.snap
@@ -253,6 +254,8 @@ def test_store_snapshot_provider_read_at_scrape_time(reg):
     assert value(reg, "stream_ctr_embedding_evictions_total", tier="device") == 7
     assert value(reg, "stream_ctr_embedding_evictions_total", tier="disk") is None
     assert value(reg, "stream_ctr_embedding_admissions_rejected_total") == 12
+    assert value(reg, "stream_ctr_embedding_evictions_by_reason_total", reason="ttl_steps") == 3
+    assert value(reg, "stream_ctr_embedding_prefetch_wait_seconds_total") == 0.25
     assert value(reg, "stream_ctr_embedding_expired_total") == 3
     stub.snap["tiers"]["disk"]["rows"] = 950        # no mirroring: the next scrape sees it
     assert value(reg, "stream_ctr_embedding_rows", tier="disk") == 950
