@@ -191,11 +191,11 @@ def format_scaling_table(summary: dict) -> str:
     head = (f"{summary['source']}: {summary['epochs']} epoch(s), {summary['seeds']} seed(s), "
             f"base batch {summary['base_batch']:,}"
             + (f"; Bayes AUC of the held-out rows {bayes:.4f}" if bayes is not None else ""))
-    cols = ["rule", "batch", "test AUC mean [min, max]", "vs smallest (pt)", "steps", "samples/s",
+    cols = ["rule", "batch", "seeds", "test AUC mean [min, max]", "vs smallest (pt)", "steps", "samples/s",
             "clipped rows", "calibration"] + (["gap to Bayes (pt)"] if bayes is not None else [])
     table = [cols]
     for c in summary["cells"]:
-        row = [c["rule"], f"{c['batch']:,}",
+        row = [c["rule"], f"{c['batch']:,}", str(c["seeds"]),
                f"{c['auc_mean']:.4f} [{c['auc_min']:.4f}, {c['auc_max']:.4f}]",
                f"{0.0 - 100 * c['gap_to_smallest']:+.2f}", f"{c['steps']:,}", f"{c['samples_per_s']:,.0f}",
                f"{c['clipped_row_fraction']:.2%}", f"{c['calibration']:.3f}"]
