@@ -243,9 +243,9 @@ class Run:
 
     def window_label(self) -> str:
         """What the sliding window holds: after the first pass, rows scored a second time."""
-        if self.epoch == 0:
-            return "prequential window"
         n = self.cfg.data.epochs
+        if self.epoch == 0 or n == 1:       # (a finished single pass has epoch 1)
+            return "prequential window"
         return f"window of re-read rows, pass {min(self.epoch + 1, n)} of {n}: not held out"
 
     @property
