@@ -119,3 +119,14 @@ def test_shipped_scrape_config_targets_the_job_the_alerts_use():
     assert [j["job_name"] for j in cfg["scrape_configs"]] == ["stream_ctr"]
     assert cfg["rule_files"] == ["alerts.yml"]
     assert 'job="stream_ctr"' in ALERTS.read_text()
+
+
+def test_every_alert_links_its_runbook_section():
+    import yaml
+    rules = [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
+    runbook = (MON / "RUNBOOK.md").read_text()
+    sections = {line[3:].strip().lower() for line in runbook.splitlines() if line.startswith("## ")}
+    for rule in rules:
+        url = rule["annotations"]["runbook_url"]
+        assert url == f"monitoring/RUNBOOK.md#{rule['alert'].lower()}", rule["alert"]
+        assert rule["alert"].lower() in sections, rule["alert"]
