@@ -218,9 +218,24 @@ def build() -> dict:
             variable("job", "label_values(stream_ctr_records_trained_total, job)", "Job"),
             variable("rank", 'label_values(stream_ctr_records_trained_total{job=~"$job"}, rank)', "Rank"),
         ]},
-        "annotations": {"list": []},
+        "annotations": {"list": ANNOTATIONS},
         "panels": panels,
     }
+
+
+# Marks on every time series: a trainer (re)start (a new process start time) and each
+# checkpoint, so a dip or a jump can be read against them.
+ANNOTATIONS = [
+    {"name": name, "datasource": DS, "enable": True, "iconColor": color, "expr": expr,
+     "step": "60s", "titleFormat": title, "textFormat": "rank {{rank}} on {{instance}}",
+     "useValueForTime": False}
+    for name, color, expr, title in (
+        ("Trainer starts", "red", 'changes(stream_ctr_start_time_seconds{job=~"$job", rank=~"$rank"}[2m]) > 0',
+         "trainer (re)started"),
+        ("Checkpoints", "blue", 'increase(stream_ctr_checkpoints_total{job=~"$job", rank=~"$rank"}[1m]) > 0',
+         "checkpoint written"),
+    )
+]
 
 
 def render() -> str:

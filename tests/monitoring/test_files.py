@@ -26,7 +26,9 @@ REQUIRED_ALERTS = {"StreamCtrTrainerDown", "StreamCtrNoProgress", "StreamCtrLagG
 
 
 def dashboard_exprs() -> list[str]:
-    return [t["expr"] for p in dashboard_panels(DASHBOARD) for t in p["targets"]]
+    """Every panel's queries and the annotation (restart / checkpoint mark) queries."""
+    marks = json.loads(DASHBOARD.read_text())["annotations"]["list"]
+    return [t["expr"] for p in dashboard_panels(DASHBOARD) for t in p["targets"]] + [m["expr"] for m in marks]
 
 
 def test_dashboard_json_is_what_the_generator_writes():

@@ -7,6 +7,7 @@ checkpoints and exits 0.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -118,6 +119,10 @@ def check_against_prometheus(prom, may_be_empty: set[str], job: str = "stream_ct
 
     for rule in alert_rules(ALERTS):
         prom.query(rule["expr"])          # raises PromQLError if Prometheus rejects it
+    marks = json.loads(DASHBOARD.read_text())["annotations"]["list"]
+    assert {m["name"] for m in marks} == {"Trainer starts", "Checkpoints"}
+    for mark in marks:                    # restart and checkpoint marks: valid PromQL here
+        prom.query(mark["expr"].replace("$job", job).replace("$rank", ".*"))
     prom.wait_for("every alert rule evaluated", lambda: all(
         r.get("lastEvaluation", "").startswith("20")
         for g in prom.api("rules")["groups"] for r in g["rules"]), timeout_s=60)
