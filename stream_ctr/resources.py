@@ -24,7 +24,7 @@ def monitoring_files() -> list[str]:
             if child.is_dir():
                 if child.name != "__pycache__":
                     walk(child, rel + "/")
-            elif child.name.endswith((".yml", ".json", ".md")):
+            elif child.name.endswith((".yml", ".yaml", ".json", ".md")):
                 found.append(rel)
     walk(root, "")
     return sorted(found)

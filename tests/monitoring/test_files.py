@@ -132,3 +132,37 @@ def test_every_alert_links_its_runbook_section():
         url = rule["annotations"]["runbook_url"]
         assert url == f"monitoring/RUNBOOK.md#{rule['alert'].lower()}", rule["alert"]
         assert rule["alert"].lower() in sections, rule["alert"]
+
+
+def test_compose_file_wires_the_shipped_files():
+    """monitoring/compose.yaml (no Docker here): every bind mount is a shipped file, the
+    Prometheus it starts reads the config promtool checks (and its rule files), Grafana's
+    data source points at that Prometheus, and its dashboard provider reads the mount."""
+    compose = yaml.safe_load((MON / "compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"prometheus", "grafana"}
+
+    def mounts(svc: dict) -> dict[str, str]:
+        out = {}
+        for vol in svc["volumes"]:
+            src, dst = vol.split(":")[:2]
+            assert (MON / src[2:]).exists() if src.startswith("./") else src in compose["volumes"], vol
+            out[dst] = src
+        return out
+
+    for svc in services.values():
+        assert svc["network_mode"] == "host"        # 127.0.0.1 is the host: the trainer's port
+    prom = services["prometheus"]
+    args = dict(a.split("=", 1) for a in prom["command"])
+    prom_mounts = mounts(prom)
+    config = args["--config.file"]
+    assert prom_mounts[config] == "./prometheus.yml"
+    for rule_file in yaml.safe_load((MON / "prometheus.yml").read_text())["rule_files"]:
+        assert str(Path(config).parent / rule_file) in prom_mounts, rule_file
+    assert args["--web.listen-address"].startswith("127.0.0.1:")
+    datasource = yaml.safe_load((MON / "grafana/provisioning/datasources/stream_ctr.yml").read_text())
+    assert datasource["datasources"][0]["url"] == "http://" + args["--web.listen-address"]
+    grafana_mounts = mounts(services["grafana"])
+    provider = yaml.safe_load((MON / "grafana/provisioning/dashboards/stream_ctr.yml").read_text())
+    assert grafana_mounts[provider["providers"][0]["options"]["path"]] == "./grafana/dashboards"
+    assert grafana_mounts["/etc/grafana/provisioning/datasources"] == "./grafana/provisioning/datasources"

@@ -122,7 +122,7 @@ def test_monitoring_export_writes_every_shipped_file_and_keeps_edited_ones(tmp_p
     out = run("monitoring", "export", str(tmp_path / "mon"), "--json")
     assert out.returncode == 0, out.stderr
     files = {str(p.relative_to(tmp_path / "mon")) for p in (tmp_path / "mon").rglob("*") if p.is_file()}
-    assert {"prometheus.yml", "prometheus-ranks.yml", "alerts.yml", "alerts_test.yml", "RUNBOOK.md",
+    assert {"prometheus.yml", "prometheus-ranks.yml", "alerts.yml", "alerts_test.yml", "RUNBOOK.md", "compose.yaml",
             "grafana/dashboards/stream_ctr.json", "grafana/provisioning/datasources/stream_ctr.yml",
             "grafana/provisioning/dashboards/stream_ctr.yml"} == files
     assert json.loads(out.stdout)["files"]
