@@ -64,6 +64,7 @@ class TrainerMetrics:
         self.skipped_batches = 0
         self.rejected = 0
         self.clip_ratio = ClipRatioTally()
+        self.epoch = 0                      # passes over a file source completed
         self._store = mc.StoreCollector(self.rank)
         self._source = mc.SourceCollector(self.rank)
         self._run = mc.RunCollector(self)
@@ -177,9 +178,12 @@ class TrainerMetrics:
         self._store.after_batch(rows_touched)
         self._update_rate()
 
-    def observe_epoch(self, completed: int) -> None:
-        """Passes over a file source completed: from 1 on, the window scores rows seen before."""
+    def observe_epoch(self, completed: int, another_pass: bool = True) -> None:
+        """Passes over a file source completed: from 1 on, the window scores rows seen
+        before. The time series' `epoch` moves only when `another_pass` begins."""
         self._metric("epochs_completed").labels(rank=self.rank).set(completed)
+        if another_pass:
+            self.epoch = completed
 
     def observe_accuracy(self, acc: Mapping[str, float]) -> None:
         """Sliding-window accuracy: keys auc, logloss, calibration, records (NaN skipped)."""
@@ -245,7 +249,7 @@ class TrainerMetrics:
             "t": round(now, 3), "records": self.records_trained, "samples_per_s": self.samples_per_s,
             "auc": self.accuracy.get("auc"), "logloss": self.accuracy.get("logloss"),
             "calibration": self.accuracy.get("calibration"),
-            "rejected": self.rejected, "skipped_batches": self.skipped_batches,
+            "rejected": self.rejected, "skipped_batches": self.skipped_batches, "epoch": self.epoch,
             "lag_records": float(sum(lag.values())) if lag else None,
             "freshness_s": now - self.newest_event_s if self.newest_event_s is not None else None,
             "tiers": {t: {k: s.get(k) for k in ("lookups", "hits", "rows", "bytes")}

@@ -74,6 +74,9 @@ class RunMonitor:
 
     def on_checkpoint(self, seconds: float, path: str | Path) -> None:
         self.metrics.observe_checkpoint(seconds, _dir_bytes(path))
+        if self.series is not None:         # a mark on the report's time axis
+            self.series.append({"kind": "checkpoint", "t": time.time(), "path": str(path),
+                                "records": self.metrics.records_trained + self.series.records_before})
 
     def close(self, summary: dict[str, Any] | None = None) -> None:
         """Last interval record, the run summary, then stop serving. Idempotent."""

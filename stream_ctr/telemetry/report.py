@@ -4,13 +4,18 @@ Reads the time series the trainer keeps in its run directory
 (`stream_ctr.telemetry.timeseries`: ``timeseries.jsonl`` and its rotated segments
 ``timeseries.jsonl.<n>``, one set per rank) and writes into ``RUN_DIR/report/``:
 
-- ``auc_logloss.png``  prequential AUC and logloss (sliding window) over records trained
-- ``throughput.png``   records trained per second over time
-- ``lag.png``          consumer lag (records not yet trained) over time
-- ``tier_hit_ratio.png`` embedding hit ratio per tier over records trained
-- ``index.html``       the run's summary table with the four plots
+- ``quality.png``      prequential AUC, logloss and calibration (sliding window)
+- ``throughput.png``   records trained per second
+- ``lag.png``          consumer lag (Kafka sources only: a file has no lag to speak of)
+- ``freshness.png``    event-time freshness (only when the records carry event times)
+- ``tier_share.png``   share of embedding lookups each tier served, stacked
+- ``index.html``       the run's summary and config table with the plots
 
-A resumed run continues the same files; restarts are drawn as dashed lines.
+Every plot has the same x axis, minutes since the run started, and the same
+marks: restarts of a resumed run (grey dashed), checkpoints (blue dotted) and
+the start of each further pass over a file (green; the window then scores rows
+the model has trained on). A directory that holds several runs (written by an
+older version into one directory) is refused rather than drawn as one line.
 
 Runs of weeks hold millions of interval records, more than a plot can show or
 memory should hold. The files are streamed line by line, segments oldest
@@ -51,6 +56,9 @@ class RankSeries:
     last: dict[str, Any] | None = None
     records_max: float = -math.inf         # most records trained in any interval
     tiers: set[str] = field(default_factory=set)
+    checkpoints: list[float] = field(default_factory=list)     # their wall times
+    epoch_starts: list[float] = field(default_factory=list)    # wall time a pass >= 2 began
+    _epoch: int = 0
 
     def add_interval(self, rec: dict[str, Any], max_points: int) -> None:
         """Count `rec` and keep it when it falls on the stride."""
@@ -67,6 +75,10 @@ class RankSeries:
         if math.isfinite(records):
             self.records_max = max(self.records_max, records)
         self.tiers.update(rec.get("hit_ratio") or {})
+        epoch = rec.get("epoch") or 0
+        if epoch > self._epoch:
+            self.epoch_starts.append(rec["t"])
+            self._epoch = epoch
 
     def finish(self) -> None:
         """The plots and the summary end at the last interval read, kept or not."""
@@ -76,8 +88,11 @@ class RankSeries:
     def column(self, key: str) -> list[float]:
         return [_num(r.get(key)) for r in self.intervals]
 
+    def t0(self) -> float:
+        return self.starts[0]["t"] if self.starts else (self.intervals[0]["t"] if self.intervals else 0.0)
+
     def minutes(self) -> list[float]:
-        t0 = self.starts[0]["t"] if self.starts else (self.intervals[0]["t"] if self.intervals else 0)
+        t0 = self.t0()
         return [(r["t"] - t0) / 60.0 for r in self.intervals]
 
 
@@ -132,6 +147,8 @@ def load_series(run_dir: Path, max_points: int = MAX_POINTS) -> list[RankSeries]
                 s.end = None        # an end belongs to the invocation it closed, not a later one
             elif kind == "end":
                 s.end = rec
+            elif kind == "checkpoint" and "t" in rec:
+                s.checkpoints.append(rec["t"])
         s.finish()
         out.append(s)
     return out
@@ -149,28 +166,25 @@ def _axes_note(ax: Any, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")
 
 
-def _restarts(ax: Any, s: RankSeries, x_key: str) -> None:
-    """Dashed vertical lines where a resumed invocation started."""
+def _marks(ax: Any, s: RankSeries) -> None:
+    """Restarts (grey dashed), checkpoints (blue dotted), further passes (green)."""
+    t0 = s.t0()
     for start in s.starts[1:]:
-        if x_key == "records":
-            x = _num(start.get("records"))
-        else:
-            x = (start["t"] - s.starts[0]["t"]) / 60.0
-        if math.isfinite(x):
-            ax.axvline(x, color="0.6", linestyle="--", linewidth=0.8)
+        ax.axvline((start["t"] - t0) / 60.0, color="0.6", linestyle="--", linewidth=0.8)
+    for t in s.checkpoints:
+        ax.axvline((t - t0) / 60.0, color="tab:blue", linestyle=":", linewidth=0.6, alpha=0.6)
+    for t in s.epoch_starts:
+        ax.axvline((t - t0) / 60.0, color="tab:green", linestyle="-.", linewidth=1.0)
 
 
-def _line(ax: Any, series: list[RankSeries], x_key: str, y_key: str, label: str,
-          sub: str | None = None) -> bool:
+def _line(ax: Any, series: list[RankSeries], y_key: str, label: str) -> bool:
     drew = False
     for s in series:
-        xs = s.column("records") if x_key == "records" else s.minutes()
-        ys = [_num((r.get(y_key) or {}).get(sub)) for r in s.intervals] if sub else s.column(y_key)
-        pts = [(x, y) for x, y in zip(xs, ys) if math.isfinite(x) and math.isfinite(y)]
+        pts = [(x, y) for x, y in zip(s.minutes(), s.column(y_key)) if math.isfinite(x) and math.isfinite(y)]
         if pts:
             name = f"{label} (rank {s.rank})" if len(series) > 1 else label
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, linewidth=1.4)
-            _restarts(ax, s, x_key)
+            _marks(ax, s)
             drew = True
     return drew
 
@@ -187,6 +201,9 @@ def plot_all(series: list[RankSeries], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths = []
+    source = str((series[0].starts[0] if series[0].starts else {}).get("source", ""))
+    reread = any(s.epoch_starts for s in series)
+    x_label = "minutes since the run started"
 
     def save(fig: Any, name: str) -> None:
         fig.tight_layout()
@@ -194,44 +211,59 @@ def plot_all(series: list[RankSeries], out: Path) -> list[Path]:
         plt.close(fig)
         paths.append(out / name)
 
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    fig.suptitle("Prequential AUC and logloss (sliding window) over records trained")
-    if not _line(a1, series, "records", "auc", "AUC"):
-        _axes_note(a1, "no AUC yet (window needs both classes)")
-    if not _line(a2, series, "records", "logloss", "logloss"):
-        _axes_note(a2, "no logloss yet")
-    a1.set_ylabel("AUC")
-    a2.set_ylabel("logloss (nats)")
-    a2.set_xlabel("records trained")
-    save(fig, "auc_logloss.png")
+    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    fig.suptitle("Prequential quality (sliding window, scored before training)"
+                 + ("\nafter a green line the window re-reads rows trained on: not held out" if reread else ""))
+    for ax, key, unit, empty in zip(axes, ("auc", "logloss", "calibration"),
+                                    ("AUC", "logloss (nats)", "predicted / observed CTR"),
+                                    ("no AUC yet (window needs both classes)", "no logloss yet",
+                                     "no calibration yet")):
+        if not _line(ax, series, key, unit):
+            _axes_note(ax, empty)
+        ax.set_ylabel(unit)
+    axes[2].axhline(1.0, color="0.5", linewidth=0.6)
+    axes[2].set_xlabel(x_label)
+    save(fig, "quality.png")
 
-    for name, title, column, unit, empty in (
-            ("throughput.png", "Throughput: records trained per second", "samples_per_s", "records / s",
-             "no throughput samples"),
-            ("lag.png", "Consumer lag: records not yet trained", "lag_records", "records",
-             "no lag reported by the source")):
+    plots = [("throughput.png", "Throughput: records trained per second", "samples_per_s", "records / s",
+              "no throughput samples")]
+    if source.lower().startswith("kafka://"):
+        plots.append(("lag.png", "Consumer lag: records in the topic not yet trained", "lag_records",
+                      "records", "no lag reported by the source"))
+    if any(math.isfinite(v) for s in series for v in s.column("freshness_s")):
+        plots.append(("freshness.png", "Freshness: now minus the newest trained event time",
+                      "freshness_s", "seconds", "no event times"))
+    for name, title, column, unit, empty in plots:
         fig, ax = plt.subplots(figsize=(8, 4))
         ax.set_title(title)
-        if not _line(ax, series, "time", column, unit):
+        if not _line(ax, series, column, unit):
             _axes_note(ax, empty)
-        ax.set_xlabel("minutes since the run started")
+        ax.set_xlabel(x_label)
         ax.set_ylabel(unit)
         ax.set_ylim(bottom=0)
         save(fig, name)
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.set_title("Embedding hit ratio per tier")
-    drew = False
-    for tier in _tiers(series):
-        drew |= _line(ax, series, "records", "hit_ratio", tier, sub=tier)
-    if drew:
-        ax.legend(loc="lower right")
+    ax.set_title("Embedding lookups served by each tier (share of all lookups, stacked)")
+    main = series[0]
+    tiers = _tiers(series)
+    xs = main.minutes()
+    # served_share is written with several tiers; with one, its hit ratio is the same number
+    shares = [[_num((r.get("served_share") or r.get("hit_ratio") or {}).get(t)) for r in main.intervals]
+              for t in tiers]
+    keep = [i for i in range(len(xs)) if all(math.isfinite(col[i]) for col in shares)] if tiers else []
+    if keep:
+        ys = [[col[i] for i in keep] for col in shares]
+        new = [max(0.0, 1.0 - sum(col[i] for col in ys)) for i in range(len(keep))]
+        ax.stackplot([xs[i] for i in keep], *ys, new, labels=[*tiers, "new keys (no row yet)"], alpha=0.8)
+        _marks(ax, main)
+        ax.legend(loc="lower left", fontsize="small")
+        ax.set_ylim(0, 1.0)
     else:
         _axes_note(ax, "no tier statistics reported by the store")
-    ax.set_xlabel("records trained")
-    ax.set_ylabel("hits / lookups (per interval)")
-    ax.set_ylim(0, 1.02)
-    save(fig, "tier_hit_ratio.png")
+    ax.set_xlabel(x_label)
+    ax.set_ylabel("share of lookups")
+    save(fig, "tier_share.png")
     return paths
 
 
@@ -249,7 +281,8 @@ SUMMARY_KEYS = (("records_trained_total", "records trained (run)"),
                 ("seconds", "seconds (last invocation)"), ("samples_per_s", "records / s"),
                 ("window_auc", "prequential AUC (window)"), ("window_logloss", "prequential logloss"),
                 ("window_calibration", "calibration (window)"), ("test_auc", "held-out AUC"),
-                ("test_logloss", "held-out logloss"), ("checkpoint", "last checkpoint"))
+                ("test_logloss", "held-out logloss"), ("test_calibration", "held-out calibration"),
+                ("test_ne", "held-out normalized entropy"), ("checkpoint", "last checkpoint"))
 
 
 def render_html(run_dir: Path, series: list[RankSeries], plots: list[Path]) -> str:
@@ -264,6 +297,14 @@ def render_html(run_dir: Path, series: list[RankSeries], plots: list[Path]) -> s
     if not end:
         rows += [("records trained", last.get("records")), ("prequential AUC", last.get("auc")),
                  ("status", "no end record: the run is still going or crashed")]
+    for e in end.get("test_per_epoch") or []:
+        rows.append((f"held-out AUC after pass {e.get('epoch')}", e.get("auc")))
+    rows += [(f"optim.{k}", v) for k, v in (end.get("optim") or {}).items()
+             if k in ("batch_size", "scale_from_batch", "lr_dense", "lr_embed", "l2", "warmup_samples",
+                      "embed_lr_rule", "count_lr_s", "cowclip", "cowclip_r")]
+    rows += [("checkpoints (this report)", len(main.checkpoints)), ("passes begun", 1 + len(main.epoch_starts))]
+    if not any(p.name == "lag.png" for p in plots):
+        rows.append(("consumer lag", "not plotted: a file source (lag is for Kafka topics)"))
     table = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>"
                       for k, v in rows)
     imgs = "\n".join(f'<figure><img src="{html.escape(p.name)}" alt="{html.escape(p.stem)}"></figure>'
@@ -294,6 +335,14 @@ def write_report(path: str | Path, out: str | Path | None = None) -> Report:
     series = load_series(run_dir)
     if not series or not any(s.intervals for s in series):
         raise ConfigError(f"report: {run_dir}/timeseries.jsonl has no interval records yet")
+    # A resume starts where its checkpoint left off (records > 0); a start at 0 after
+    # the first is another run written into the same directory by an older version.
+    fresh = [st for st in series[0].starts[1:] if st.get("records") == 0]
+    if fresh:
+        names = ", ".join(f"{st.get('model')} on {st.get('source')}" for st in series[0].starts[:1] + fresh)
+        raise ConfigError(f"report: {run_dir} holds {len(fresh) + 1} runs in one time series ({names}): "
+                          "an older version wrote them into one directory; a report would draw them "
+                          "as one line. Train again into separate run directories")
     out_dir = Path(out) if out else run_dir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot_all(series, out_dir)

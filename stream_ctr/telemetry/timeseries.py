@@ -9,7 +9,10 @@ what `stream-ctr report` plots. Each line is one JSON object with ``kind``:
   ``samples_per_s`` (over the interval), ``auc``, ``logloss``, ``calibration``
   (sliding prequential window), ``lag_records``, ``freshness_s``,
   ``hit_ratio`` (per tier, over the interval), ``rows`` (per tier),
-  ``rejected``, ``skipped_batches``;
+  ``rejected``, ``skipped_batches``; with several tiers ``served_share`` (the
+  share of all lookups each tier served), and from the second pass over a file
+  on ``epoch`` (passes completed when this one began);
+- ``checkpoint``: a checkpoint was written (``t``, ``path``, ``records``);
 - ``end``: the run's summary (records, seconds, test AUC ...).
 
 Unknown values are ``null``. Lines are flushed but not fsynced: losing the
@@ -194,13 +197,23 @@ class TimeSeriesLog:
         """One ``interval`` record from `TrainerMetrics.snapshot()`."""
         now = snap.get("t", self.clock())
         dt = max(now - self._last_t, 1e-9)
-        hit_ratio, rows = {}, {}
+        hit_ratio, rows, hits_by_tier = {}, {}, {}
+        all_lookups = None                  # the first tier sees every key looked up
         for tier, s in snap.get("tiers", {}).items():
             prev = self._last_tiers.get(tier, {})
             lookups = (s.get("lookups") or 0) - (prev.get("lookups") or 0)
             hits = (s.get("hits") or 0) - (prev.get("hits") or 0)
             hit_ratio[tier] = hits / lookups if lookups > 0 else None
+            hits_by_tier[tier] = hits
+            all_lookups = lookups if all_lookups is None else all_lookups
             rows[tier] = s.get("rows")
+        # Share of all lookups each tier served ("do I need more RAM?": the disk's share).
+        served = {t: h / all_lookups for t, h in hits_by_tier.items()} if all_lookups else {}
+        extra = {}
+        if len(served) > 1:                 # with one tier it is the hit ratio again
+            extra["served_share"] = served
+        if snap.get("epoch"):               # passes over a file begun after the first
+            extra["epoch"] = snap["epoch"]
         self.append({"kind": "interval", "t": now, "records": self.records_before + snap["records"],
                      # a stub interval (the run's last, cut short) gives no honest rate
                      "samples_per_s": (snap["records"] - self._last_records) / dt
@@ -208,7 +221,8 @@ class TimeSeriesLog:
                      "auc": snap.get("auc"), "logloss": snap.get("logloss"),
                      "calibration": snap.get("calibration"), "lag_records": snap.get("lag_records"),
                      "freshness_s": snap.get("freshness_s"), "hit_ratio": hit_ratio, "rows": rows,
-                     "rejected": snap.get("rejected"), "skipped_batches": snap.get("skipped_batches")})
+                     "rejected": snap.get("rejected"), "skipped_batches": snap.get("skipped_batches"),
+                     **extra})
         self._last_t, self._last_records = now, snap["records"]
         self._last_tiers = snap.get("tiers", {})
 

@@ -181,7 +181,7 @@ class Run:
             manifest = resolve_checkpoint(resume) / "manifest.json"
             self.monitor.metrics.resumed_from_checkpoint(manifest.stat().st_mtime)
         if self.epoch:
-            self.monitor.metrics.observe_epoch(self.epoch)
+            self.monitor.metrics.observe_epoch(self.epoch, another_pass=self.epoch < cfg.data.epochs)
 
     def source_lag(self) -> dict[str, int]:
         """Consumer lag of the file source: records of the training range not yet trained."""
@@ -231,7 +231,7 @@ class Run:
             self.stream_ended = source.exhausted
         elif source.exhausted and not self.limit_reached:
             self.epoch, self.positions = self.epoch + 1, {}
-            self.monitor.metrics.observe_epoch(self.epoch)
+            self.monitor.metrics.observe_epoch(self.epoch, another_pass=self.epoch < self.cfg.data.epochs)
             if self.cfg.data.epochs > 1 and self.epoch < self.cfg.data.epochs and self.train_end < self.n_total:
                 self.summary.test_per_epoch.append({"epoch": self.epoch, **self.held_out()})
 

@@ -11,7 +11,8 @@ from stream_ctr.telemetry.report import find_run_dir, load_series, write_report
 from stream_ctr.train.loop import train
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-PLOTS = {"auc_logloss.png", "throughput.png", "lag.png", "tier_hit_ratio.png"}
+# A file source has no lag plot; the Avazu sample has event times, so freshness is drawn.
+PLOTS = {"quality.png", "throughput.png", "freshness.png", "tier_share.png"}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,11 @@ def test_report_writes_four_plots_and_a_page(finished_run):
     page = out.html.read_text()
     for name in PLOTS:
         assert f'src="{name}"' in page
-    for text in ("deepfm", "avazu:sample", "records trained (run)", "1,600", "prequential AUC"):
+    for text in ("deepfm", "avazu:sample", "records trained (run)", "1,600", "prequential AUC",
+                 "optim.lr_dense", "not plotted: a file source"):
         assert text in page, text
+    (series,) = load_series(finished_run)
+    assert len(series.checkpoints) >= 2          # every checkpoint is a mark on the time axis
 
 
 def test_report_from_a_checkpoint_directory_and_the_cli(finished_run, tmp_path, capsys):
@@ -81,8 +85,42 @@ def test_report_draws_ranks_tiers_restarts_and_survives_a_torn_line(tmp_path):
     assert len(series[0].starts) == 2 and series[0].end is None
     out = write_report(tmp_path)
     assert out.records == 8000
+    assert "lag.png" in {p.name for p in out.plots}          # a Kafka source: lag is drawn
     page = out.html.read_text()
     assert "still going or crashed" in page and "dcnv2" in page
+
+
+def test_a_directory_holding_two_runs_is_refused(tmp_path):
+    """What an older version wrote: a Criteo run, then an Avazu run from 0 in the same file."""
+    lines = [{"kind": "start", "t": 0, "records": 0, "model": "deepfm", "source": "criteo:sample"},
+             {"kind": "interval", "t": 10, "records": 13044, "auc": 0.7},
+             {"kind": "start", "t": 20, "records": 0, "model": "deepfm", "source": "avazu:sample"},
+             {"kind": "interval", "t": 30, "records": 9000, "auc": 0.7}]
+    (tmp_path / "timeseries.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    with pytest.raises(ConfigError, match="2 runs in one time series .*avazu:sample"):
+        write_report(tmp_path)
+
+
+def test_a_two_epoch_tiered_run_marks_its_passes_and_held_out_auc(tmp_path):
+    cfg = Config()
+    cfg.data.source, cfg.data.epochs, cfg.data.holdout_fraction = "criteo:sample", 2, 0.1
+    cfg.data.batch_size, cfg.data.limit_records = 256, 0
+    cfg.model.mlp_dims = (16,)
+    cfg.store.kind = "tiered"
+    cfg.store.cache_bytes, cfg.store.ram_bytes = 4 << 20, 64 << 20
+    cfg.train.run_dir, cfg.train.threads = str(tmp_path / "run"), 1
+    cfg.train.checkpoint_every_batches = 40
+    cfg.metrics.timeseries_every_s = 1e-9
+    summary = train(cfg, show_progress=False)
+    assert [e["epoch"] for e in summary.test_per_epoch] == [1, 2]
+    out = write_report(tmp_path / "run")
+    (series,) = load_series(tmp_path / "run")
+    assert len(series.epoch_starts) == 1 and len(series.checkpoints) >= 2
+    assert any(r.get("served_share") for r in series.intervals)
+    assert {p.name for p in out.plots} == {"quality.png", "throughput.png", "tier_share.png"}
+    page = out.html.read_text()
+    assert "held-out AUC after pass 1" in page and "held-out AUC after pass 2" in page
+    assert "passes begun</th><td>2" in page
 
 
 def test_a_crashed_resume_is_not_shown_with_the_previous_invocations_end(tmp_path):
