@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from stream_ctr.cli.output import emit
-from stream_ctr.config import ConfigError, load_config, set_option
+from stream_ctr.config import Config, ConfigError, load_config, set_option
 
 EPILOG = """examples:
   stream-ctr train                                  # DeepFM on the bundled Criteo sample
@@ -75,9 +75,11 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", choices=["deepfm", "wdl", "dcn", "dcnv2"], help="model.name")
     p.add_argument("--batch-size", type=int, help="data.batch_size: the batch that trains")
     p.add_argument("--scale-from", type=int, metavar="BASE_BATCH", help="optim.scale_from_batch: "
-                   "the configured lr_dense / lr_embed / l2 are for BASE_BATCH; CowClip's rule "
-                   "derives the run's from them with s = batch / BASE_BATCH (l2 x s, lr_dense x "
-                   "sqrt(s), lr_embed kept); the resolved values are printed and checkpointed")
+                   "the configured lr_dense / lr_embed / l2 are for BASE_BATCH and the scaling rule "
+                   "derives the run's with s = batch / BASE_BATCH (lr_dense x sqrt(s) after the "
+                   "warm-up, a per-row embedding lr from counts capped at 8 base steps, l2 kept "
+                   "unless optim.l2_rule=scaled; README 'Large batches'); the resolved values are "
+                   "printed and checkpointed")
     # Removed (it trained at batch x S): named here so that argparse does not read it as an
     # abbreviation of --scale-from, and says what replaces it.
     p.add_argument("--scale", type=float, help=argparse.SUPPRESS)
@@ -120,7 +122,23 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--merge-every", type=int, metavar="K",
                    help="distributed.merge_every_k_steps: average the dense replicas every K steps")
     _add_common(p)
+    _show_config_defaults(p)
     p.set_defaults(func=cmd_train)
+
+
+def _show_config_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append "(default: X)" to every option whose help starts with the config key it
+    sets (e.g. "train.seed") and does not state its default already."""
+    import re
+    defaults = Config()
+    for action in parser._actions:
+        m = re.match(r"([a-z]+)\.([a-z_]+)\b", action.help or "")
+        if not m or "default" in action.help:
+            continue
+        value = getattr(getattr(defaults, m.group(1), None), m.group(2), None)
+        if value is not None:
+            shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
+            action.help += f" (default: {shown!r})" if isinstance(shown, str) else f" (default: {shown})"
 
 
 def _eval_parser(sub: argparse._SubParsersAction) -> None:
