@@ -129,24 +129,27 @@ def rows() -> list[tuple[str, list[dict]]]:
                  "rank {{rank}}")], "percentunit", w=6,
                 description="Share of wall time the step waited for rows from RAM/LMDB; "
                 "growing with a large disk share asks for more RAM."),
-            panel("timeseries", "CowClip: clipped share and ||gradient|| / threshold", [
+            panel("timeseries", "CowClip: share of present rows clipped", [
                 (f"1 - sum(rate(stream_ctr_cowclip_gradient_threshold_ratio_bucket{{job=~\"$job\", rank=~\"$rank\", le=\"1.0\"}}{RI}))"
-                 f" / sum(rate(stream_ctr_cowclip_gradient_threshold_ratio_count{S}{RI}))", "clipped share"),
+                 f" / sum(rate(stream_ctr_cowclip_gradient_threshold_ratio_count{S}{RI}))", "clipped share")],
+                "percentunit", w=6, minmax=(0, None),
+                description="0 everywhere: the clip never binds (README, large batches)."),
+            panel("timeseries", "CowClip: ||gradient|| / threshold per row (bucket bounds)", [
                 (f"histogram_quantile(0.5, sum by (le) (rate(stream_ctr_cowclip_gradient_threshold_ratio_bucket{S}{RI})))",
-                 "ratio p50"),
+                 "p50"),
                 (f"histogram_quantile(0.99, sum by (le) (rate(stream_ctr_cowclip_gradient_threshold_ratio_bucket{S}{RI})))",
-                 "ratio p99")],
-                "short", w=12, description="Share of present embedding rows CowClip clipped, and quantiles "
-                "of each row's gradient norm over its threshold (clipped above 1). Near 0 everywhere: "
-                "the clip never binds and acts only through the learning-rate rule (README, large batches)."),
+                 "p99")],
+                "short", w=6, description="Each present row's gradient norm over its clip threshold; a "
+                "row is clipped above 1. Buckets are powers of 4, so the quantiles are bucket bounds."),
         ]),
         ("Merges and checkpoints", [
             panel("stat", "Last checkpoint age", [
                 (f"max(stream_ctr_last_checkpoint_age_seconds{S})", "age")], "s", w=6),
-            panel("timeseries", "Checkpoints: size and count per hour", [
-                (f"stream_ctr_last_checkpoint_bytes{S}", "bytes rank {{rank}}"),
-                (f"sum by (rank) (increase(stream_ctr_checkpoints_total{S}[1h]))", "per hour rank {{rank}}")],
-                "short", w=6),
+            panel("timeseries", "Checkpoint size", [
+                (f"stream_ctr_last_checkpoint_bytes{S}", "rank {{rank}}")], "bytes", w=3),
+            panel("timeseries", "Checkpoints per hour", [
+                (f"sum by (rank) (increase(stream_ctr_checkpoints_total{S}[1h]))", "rank {{rank}}")],
+                "short", w=3),
             panel("timeseries", "k-step merges / s and age", [
                 (f"sum by (rank) (rate(stream_ctr_merges_total{S}{RI}))", "merges/s rank {{rank}}"),
                 (f"stream_ctr_last_merge_age_seconds{S}", "age s rank {{rank}}")], "short", w=6),
