@@ -108,6 +108,10 @@ class DistributedRun(Run):
     """A `Run` that is one rank of a job: its share of the source, sharded store, merger,
     job checkpoints."""
 
+    # Scoring the holdout is collective (sharded rows), and ranks end their passes at
+    # different steps: only the end of the run, which every rank reaches together, scores it.
+    EVALUATES_EACH_PASS = False
+
     def __init__(self, cfg: Config, resume: str | None, ctx: DistContext) -> None:
         self.ctx = ctx
         root = Path(cfg.train.checkpoint_dir or Path(cfg.train.run_dir) / "checkpoints")

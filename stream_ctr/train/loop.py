@@ -121,6 +121,9 @@ def resume_data_config(cfg: Config, saved: Config) -> None:
 class Run:
     """What one `train` invocation holds: trainer, source plan, window, counters."""
 
+    # Score the holdout after every pass but the last (summary.test_per_epoch).
+    EVALUATES_EACH_PASS = True
+
     def __init__(self, cfg: Config, resume: str | None) -> None:
         state = load_checkpoint(resume) if resume else None
         if state is not None:   # the model and optimizer settings are the checkpoint's
@@ -139,7 +142,7 @@ class Run:
             self.fmt, self.path = detect_format(cfg.data.source)
             # Hold out the last fraction of the file, by data-line offset.
             self.n_total = count_records(self.path, self.fmt)
-            self.train_end = self.n_total - int(round(self.n_total * cfg.data.holdout_fraction))
+            self.train_end = held_out_start(self.n_total, cfg.data.holdout_fraction)
         if state is not None:
             saved_fmt = source_format(saved)
             if saved_fmt.name != self.fmt.name:
@@ -232,7 +235,8 @@ class Run:
         elif source.exhausted and not self.limit_reached:
             self.epoch, self.positions = self.epoch + 1, {}
             self.monitor.metrics.observe_epoch(self.epoch, another_pass=self.epoch < self.cfg.data.epochs)
-            if self.cfg.data.epochs > 1 and self.epoch < self.cfg.data.epochs and self.train_end < self.n_total:
+            if (self.EVALUATES_EACH_PASS and self.cfg.data.epochs > 1 and self.epoch < self.cfg.data.epochs
+                    and self.train_end < self.n_total):
                 self.summary.test_per_epoch.append({"epoch": self.epoch, **self.held_out()})
 
     def held_out(self) -> dict[str, float]:
@@ -393,6 +397,11 @@ def score(trainer: Trainer, path: Path, fmt, start_offset: int, stop_offset: int
     return np.concatenate(probs), np.concatenate(labels)
 
 
+def held_out_start(n_total: int, holdout_fraction: float) -> int:
+    """The data-line offset where a file's held-out tail starts."""
+    return n_total - int(round(n_total * holdout_fraction))
+
+
 def _same_file(source: str, path: Path) -> bool:
     """Whether `source` (a run's data.source) names the file at `path`."""
     if "://" in source:
@@ -422,20 +431,20 @@ def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str | N
                               "name a file to score: stream-ctr eval RUN_DIR criteo:PATH")
         source = own
     fmt, path = detect_format(source)
+    saved_fmt = source_format(cfg)
+    if saved_fmt.name != fmt.name:
+        raise ConfigError(f"checkpoint was trained on {saved_fmt.name} records, "
+                          f"{source} is {fmt.name}: their features do not match")
     n_total = count_records(path, fmt)
     if start is not None or stop is not None:
         start, rows = start or 0, "the given range"
     elif whole or not _same_file(own, path):
         start, rows = 0, "all records"
     elif cfg.data.holdout_fraction > 0:
-        start = n_total - int(round(n_total * cfg.data.holdout_fraction))
+        start = held_out_start(n_total, cfg.data.holdout_fraction)
         rows = f"the run's held-out last {cfg.data.holdout_fraction:g}"
     else:
         start, rows = 0, "all records (the run held none out: it trained on them)"
-    saved_fmt = source_format(cfg)
-    if saved_fmt.name != fmt.name:
-        raise ConfigError(f"checkpoint was trained on {saved_fmt.name} records, "
-                          f"{source} is {fmt.name}: their features do not match")
     configure_torch(cfg)
     trainer = Trainer(cfg, fmt.n_keys, fmt.n_dense, read_only=True)   # never moves a row
     trainer.load_state_tensors(state.tensors["trainer"])
