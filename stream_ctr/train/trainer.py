@@ -104,11 +104,24 @@ class Trainer:
         return self.optim.lr_dense * (min(1.0, step * self.optim.batch_size / warm) if warm > 0 else 1.0)
 
     @torch.no_grad()
-    def _init_bias(self, labels: torch.Tensor) -> None:
-        """Output bias <- log-odds of the first batch's click rate (clamped away from 0 and 1),
-        so the first predictions sit at the base rate instead of 0.5."""
+    @torch.no_grad()
+    def _init_bias(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """Output bias <- the shift that makes the first batch's mean prediction its
+        click rate (clamped away from 0 and 1), so the model starts at the base rate
+        instead of 0.5. `logits` are the first batch's scores with the current bias;
+        the shift is solved (Newton on a monotone scalar function), not taken as
+        logit(CTR), because the other terms' initial logits are not centred at 0."""
         ctr = labels.float().mean().clamp(1e-4, 1 - 1e-4)
-        self.model.linear.bias.copy_(torch.log(ctr / (1 - ctr)))
+        z = logits.detach().float()
+        shift = torch.log(ctr / (1 - ctr)) - z.mean()
+        for _ in range(50):
+            p = torch.sigmoid(z + shift)
+            slope = (p * (1 - p)).mean().clamp_min(1e-12)
+            step = ((p.mean() - ctr) / slope).clamp(-4.0, 4.0)
+            shift -= step
+            if step.abs() < 1e-6:
+                break
+        self.model.linear.bias.add_(shift)
 
     def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         dense = torch.from_numpy(batch.dense).to(self.device, non_blocking=True)
@@ -152,7 +165,8 @@ class Trainer:
             self.store.prefetch(self._next[1][0])
         rows = self.store.weight[slots].requires_grad_()
         if self.step == 0 and self.optim.init_bias_from_data and b:
-            self._init_bias(labels)
+            with torch.no_grad():
+                self._init_bias(self._forward(rows.detach(), inverse, b, dense), labels)
         t1 = time.perf_counter()
 
         # Forward on the pre-update weights (these are the prequential scores), backward.
