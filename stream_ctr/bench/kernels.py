@@ -59,7 +59,7 @@ def add_bench_kernels_parser(bsub: argparse._SubParsersAction, add_common) -> No
     b.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
     b.add_argument("--threads", type=int, default=0, help="torch intra-op threads on the CPU "
                    "(0: torch default)")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="seed of the generated inputs")
     add_common(b)
     b.set_defaults(func=cmd_bench_kernels)
 

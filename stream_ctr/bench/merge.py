@@ -38,7 +38,7 @@ def add_bench_merge_parser(bsub: argparse._SubParsersAction, add_common) -> None
     b.add_argument("--epochs", type=int, default=3, help="passes over the data (default 3)")
     b.add_argument("--batch-size", type=int, default=64, help="micro-batch per rank (default 64)")
     b.add_argument("--holdout", type=float, default=0.2, help="held-out fraction for the AUC")
-    b.add_argument("--model", default="deepfm")
+    b.add_argument("--model", default="deepfm", help="model whose dense part is merged: deepfm, wdl, dcn, dcnv2")
     b.add_argument("--mlp-dims", default="400,400,400", help="model.mlp_dims (default 400,400,400)")
     b.add_argument("--no-moments", action="store_true", help="merge parameters only, not Adam's m, v")
     b.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")

@@ -56,7 +56,7 @@ def add_bench_scaling_parser(bsub: argparse._SubParsersAction, add_common) -> No
     b.add_argument("--limit", type=int, default=0, help="train on at most N records (0: all before the tail)")
     b.add_argument("--out", default="runs/scaling", help="results.jsonl, table.txt, auc_vs_batch.png")
     b.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
-    b.add_argument("--config", help="base TOML config (the optimizer values of --base-batch)")
+    b.add_argument("--config", help="base TOML config (the optimizer values of --base-batch; default: the built-in defaults)")
     b.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE",
                    help="override a base config option (repeatable)")
     add_common(b)

@@ -52,7 +52,7 @@ def add_bench_step_parser(bsub: argparse._SubParsersAction, add_common) -> None:
                    f"{CPU_BATCH_SIZES} on the CPU, where a 131072 step takes seconds)")
     b.add_argument("--steps", type=int, help=f"timed steps per batch size and path (default "
                    f"{CUDA_STEPS} on CUDA, {CPU_STEPS} on the CPU)")
-    b.add_argument("--model", default="deepfm", choices=["deepfm", "wdl", "dcn", "dcnv2"])
+    b.add_argument("--model", default="deepfm", choices=["deepfm", "wdl", "dcn", "dcnv2"], help="model to time")
     b.add_argument("--device", default="auto", help="auto (CUDA if present, else cpu), cpu, cuda[:N]")
     b.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     add_common(b)

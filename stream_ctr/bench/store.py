@@ -40,7 +40,7 @@ def add_bench_store_parser(bsub: argparse._SubParsersAction, add_common, byte_si
     b.add_argument("--distinct", type=lambda s: int(float(s)), default=10**8,
                    help="distinct keys, all on disk before the measured batches (default 1e8)")
     b.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the key stream")
-    b.add_argument("--batch-size", type=int, default=65536)
+    b.add_argument("--batch-size", type=int, default=65536, help="records per simulated batch")
     b.add_argument("--fields", type=int, default=39, help="keys per record")
     b.add_argument("--dim", type=int, default=10, help="embedding dimension d")
     b.add_argument("--batches", type=int, default=20, help="measured batches")
@@ -55,7 +55,7 @@ def add_bench_store_parser(bsub: argparse._SubParsersAction, add_common, byte_si
     b.add_argument("--keep", action="store_true", help="keep the LMDB store afterwards")
     b.add_argument("--reuse", action="store_true", help="with --store-dir: reuse a store kept by "
                    "an earlier run with --keep (rolled back to its populated generation)")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="seed of the generated keys")
     b.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: "
                    "the store's ops are small, and thread wake-ups cost more than they save)")
     add_common(b)

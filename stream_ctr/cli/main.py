@@ -69,7 +69,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop-when-idle", type=float, metavar="SECONDS", help="kafka.stop_when_idle_s: "
                    "end a Kafka run after this long without new records")
     p.add_argument("--config", default=_env("STREAM_CTR_CONFIG"),
-                   help="TOML config file [env STREAM_CTR_CONFIG]")
+                   help="TOML config file [env STREAM_CTR_CONFIG] (default: none, the built-in "
+                        "defaults that `stream-ctr config example` prints)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE",
                    help="override any config option (repeatable)")
     p.add_argument("--model", choices=["deepfm", "wdl", "dcn", "dcnv2"], help="model.name")
@@ -96,7 +97,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint, checkpoint root or run dir "
                    "(and keep writing into that run's directory unless --run-dir says otherwise)")
     p.add_argument("--device", default=_env("STREAM_CTR_DEVICE"),
-                   help="auto (CUDA if present), cpu, cuda[:N] [env STREAM_CTR_DEVICE]")
+                   help="auto (CUDA if present), cpu, cuda[:N] [env STREAM_CTR_DEVICE] "
+                        "(default: train.device, 'auto')")
     p.add_argument("--seed", type=int, help="train.seed")
     p.add_argument("--threads", type=int, help="train.threads (torch intra-op threads)")
     p.add_argument("--store", choices=["memory", "tiered"], help="store.kind: embedding rows in "
@@ -148,8 +150,8 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
                    "run's own source, and then only its held-out rows)")
     p.add_argument("--all", action="store_true", help="score every record of the source, also "
                    "those the run trained on")
-    p.add_argument("--start", type=int, default=None, help="first data-line offset to score")
-    p.add_argument("--stop", type=int, default=None, help="stop before this data-line offset")
+    p.add_argument("--start", type=int, default=None, help="first data-line offset to score (default: where the run's held-out rows start; 0 with --all)")
+    p.add_argument("--stop", type=int, default=None, help="stop before this data-line offset (default: the end of the source)")
     _add_common(p)
     p.set_defaults(func=cmd_eval)
 
@@ -178,7 +180,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--batch-sizes", default="1024,8192,65536",
                    help="batch sizes to time, comma-separated (default 1024,8192,65536)")
     b.add_argument("--model", default="deepfm", help="deepfm, wdl, dcn or dcnv2 (default deepfm)")
-    b.add_argument("--data", help="use this Criteo file instead of generating one")
+    b.add_argument("--data", help="use this Criteo file (default: a synthetic file generated for the run)")
     b.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (default 0: torch's choice, usually every core)")
     _add_common(b)
@@ -230,7 +232,32 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_parser(sub, _add_common)
     from stream_ctr.cli.resources import add_resource_parsers
     add_resource_parsers(sub, _add_common)
+    _show_defaults(parser)
     return parser
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """`parser` and every (sub-)subcommand's parser under it."""
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):      # aliases share a parser
+                found += _subparsers(child)
+    return found
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option that takes a value and has a default says it in its help, unless
+    the help states it already. Flags (default off) and options without a default
+    (their help says what happens when they are left out) are left as written."""
+    for p in _subparsers(parser):
+        for action in p._actions:
+            if (not action.option_strings or action.nargs == 0 or action.help in (None, argparse.SUPPRESS)
+                    or action.default in (None, argparse.SUPPRESS, []) or "(default" in action.help):
+                continue
+            value = action.default
+            shown = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else value
+            action.help += f" (default: {shown!r})" if isinstance(shown, str) else f" (default: {shown})"
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ def add_resource_parsers(sub: argparse._SubParsersAction,
     cfg = sub.add_parser("config", help="configuration files")
     csub = cfg.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     ex = csub.add_parser("example", help="print (or write) a commented example TOML config")
-    ex.add_argument("--output", "-o", help="write it to this file instead of stdout")
+    ex.add_argument("--output", "-o", help="write it to this file (default: stdout)")
     ex.set_defaults(func=cmd_config_example)
 
 

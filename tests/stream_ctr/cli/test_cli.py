@@ -22,6 +22,19 @@ def test_help_reads_well():
     assert "STREAM_CTR_CONFIG" in run("train", "--help").stdout
 
 
+def test_every_option_with_a_default_shows_it():
+    import argparse
+    from stream_ctr.cli.main import build_parser, _subparsers
+    parsers = _subparsers(build_parser())
+    assert {"stream-ctr eval", "stream-ctr bench scaling", "stream-ctr replay"} <= {p.prog for p in parsers}
+    missing = [f"{p.prog} {a.option_strings[-1]}" for p in parsers for a in p._actions
+               if a.option_strings and a.nargs != 0 and a.help != argparse.SUPPRESS
+               and a.default not in (None, []) and "(default" not in (a.help or "")]
+    assert not missing
+    # Shown as the user reads it, on a subcommand far from train.
+    assert "(default: 1024)" in run("bench", "scaling", "--help").stdout.replace("\n", " ")
+
+
 @pytest.mark.parametrize("args, needle, code", [
     (["train", "criteo:/no/such/file.tsv"], "/no/such/file.tsv", 3),     # data
     (["train", "parquet:/tmp/x"], "parquet", 3),
