@@ -150,12 +150,16 @@ def rows() -> list[tuple[str, list[dict]]]:
             panel("timeseries", "Checkpoints per hour", [
                 (f"sum by (rank) (increase(stream_ctr_checkpoints_total{S}[1h]))", "rank {{rank}}")],
                 "short", w=3),
-            panel("timeseries", "k-step merges / s and age", [
-                (f"sum by (rank) (rate(stream_ctr_merges_total{S}{RI}))", "merges/s rank {{rank}}"),
-                (f"stream_ctr_last_merge_age_seconds{S}", "age s rank {{rank}}")], "short", w=6),
+            panel("timeseries", "k-step merges / s", [
+                (f"sum by (rank) (rate(stream_ctr_merges_total{S}{RI}))", "rank {{rank}}")], "short", w=3),
+            panel("timeseries", "Since the last merge", [
+                (f"stream_ctr_last_merge_age_seconds{S}", "rank {{rank}}")], "s", w=3,
+                description="Seconds since this rank's last k-step merge; empty on a single-rank run."),
             panel("timeseries", "Merge traffic", [
-                (f"sum by (rank) (rate(stream_ctr_merge_bytes_total{S}{RI}))", "bytes/s rank {{rank}}"),
-                (f"stream_ctr_last_merge_bytes{S}", "last merge rank {{rank}}")], "Bps", w=6),
+                (f"sum by (rank) (rate(stream_ctr_merge_bytes_total{S}{RI}))", "rank {{rank}}")], "Bps", w=3),
+            panel("timeseries", "Last merge size", [
+                (f"stream_ctr_last_merge_bytes{S}", "rank {{rank}}")], "bytes", w=3,
+                description="Bytes this rank sent in its last k-step merge; empty on a single-rank run."),
         ]),
         ("Errors and process", [
             panel("timeseries", "Rejected records and source errors / s", [
