@@ -65,7 +65,7 @@ def rows() -> list[tuple[str, list[dict]]]:
             panel("timeseries", "Step time by phase (seconds per second)", [
                 (f"sum by (phase) (rate(stream_ctr_step_phase_seconds_sum{S}{RI}))", "{{phase}}")],
                 "s", stack=True, description="Where the wall time goes: decode, prepare (working set), "
-                "forward_backward, update, merge, checkpoint."),
+                "forward_backward, update, eval (prequential window), merge, checkpoint."),
             panel("timeseries", "Phase latency p90", [
                 (f"histogram_quantile(0.9, sum by (phase, le) "
                  f"(rate(stream_ctr_step_phase_seconds_bucket{S}{RI})))", "{{phase}}")], "s", w=12),

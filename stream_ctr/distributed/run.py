@@ -299,8 +299,11 @@ class DistributedRun(Run):
         else:
             result = self.trainer.train_step(batch)
             self.store.settle()           # a skipped (non-finite) step still answers the owners
+            t_eval = time.perf_counter()
             self.record(batch, result)
-            self.monitor.on_batch(batch, result, self.window.window())
+            acc = self.window.window() if self.monitor.interval_due() else self.window.latest()
+            result.phase_s["eval"] = time.perf_counter() - t_eval
+            self.monitor.on_batch(batch, result, acc)
             trained = 0 if bool(result.skipped) else len(batch)   # its dense state did not move
         self.global_step += 1
         self.trainer.step = self.global_step     # what the rank checkpoints: the same everywhere
@@ -445,10 +448,11 @@ def train_distributed(cfg: Config, resume: str | None = None,
                     if batch is not None:
                         batch = run.owned(batch)     # a rebalance while we waited?
                     run.step(batch if batch is not None and len(batch) else None)
-                    acc = run.window.window()
+                    acc = run.window.latest()
                     progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss)
                 if rebalanced or (anyone_has and every and run.global_step % every == 0):
                     run.checkpoint()
+            run.monitor.metrics.observe_accuracy(run.window.window().as_dict())   # the last interval: exact
             progress.close()
             run.checkpoint()
         return run.finish(progress.elapsed_s())

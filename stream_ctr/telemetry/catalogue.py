@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 NAMESPACE = "stream_ctr"
-PHASES = ("decode", "prepare", "forward_backward", "update", "merge", "checkpoint")
+PHASES = ("decode", "prepare", "forward_backward", "update", "eval", "merge", "checkpoint")
 PHASE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 SKIP_NONFINITE = "nonfinite"    # batches_skipped_total reason: loss or gradient NaN/inf

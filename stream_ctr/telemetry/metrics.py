@@ -64,6 +64,7 @@ class TrainerMetrics:
         self.skipped_batches = 0
         self.rejected = 0
         self.clip_ratio = ClipRatioTally()
+        self.phase_seconds: dict[str, float] = {}     # this invocation, for the run summary
         self.epoch = 0                      # passes over a file source completed
         self._store = mc.StoreCollector(self.rank)
         self._source = mc.SourceCollector(self.rank)
@@ -146,6 +147,7 @@ class TrainerMetrics:
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         self._metric("step_phase_seconds").labels(rank=self.rank, phase=phase).observe(seconds)
+        self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
 
     def observe_batch(self, n_records: int, skipped: bool, phase_s: Mapping[str, float],
                       rows_clipped: int = 0, event_time_ms: np.ndarray | None = None,

@@ -64,6 +64,11 @@ class RunMonitor:
         """A chunk came from the source (decoded rows + rejected records) in `seconds`."""
         self.metrics.observe_read(chunk.partitions, chunk.partition, rejected, seconds)
 
+    def interval_due(self) -> bool:
+        """Whether the next `on_batch` writes a time-series record (then its accuracy
+        should be computed now, not the last cached one)."""
+        return self.series is not None and self.series.due()
+
     def on_batch(self, batch: Any, result: Any, accuracy: Any) -> None:
         """A batch was stepped (`trainer.StepResult`); `accuracy` is the window after it."""
         self.metrics.observe_batch(len(batch), bool(result.skipped), result.phase_s,

@@ -51,6 +51,9 @@ class RunSummary:
     clip_ratio: dict = field(default_factory=dict)
     seconds: float = 0.0
     samples_per_s: float = 0.0
+    # Wall seconds per step phase (decode, prepare, forward_backward, update, eval,
+    # merge, checkpoint) in this invocation: where the time went.
+    phase_seconds: dict[str, float] = field(default_factory=dict)
     window: dict[str, float] = field(default_factory=dict)
     test: dict[str, float] = field(default_factory=dict)
     checkpoint: str = ""
@@ -157,7 +160,7 @@ class Run:
                     f"starts the held-out lines ({self.train_end:,}); resume with the run's "
                     f"holdout ({saved.data.holdout_fraction:g}) or train into a new --run-dir")
         self.trainer = Trainer(cfg, self.fmt.n_keys, self.fmt.n_dense)
-        self.window = PrequentialWindow(cfg.train.eval_window_records)
+        self.window = PrequentialWindow(cfg.train.eval_window_records, cfg.train.eval_refresh_s)
         self.positions: dict[str, int] = {}
         self.epoch, self.total_before = 0, 0
         if state is not None:
@@ -302,6 +305,7 @@ class Run:
         s.clipped_row_fraction = self.rows_clipped / max(self.rows_touched, 1)
         s.floor_row_fraction = self.rows_at_floor / max(self.rows_touched, 1)
         s.clip_ratio = self.monitor.metrics.clip_ratio.summary()
+        s.phase_seconds = {k: round(v, 4) for k, v in self.monitor.metrics.phase_seconds.items()}
         s.rejected_by_reason = dict(self.dead_letter.counts)
         s.records_rejected = sum(self.dead_letter.counts.values())
         self.dead_letter.close()
@@ -344,8 +348,10 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
                     # Step: its forward pass scores the batch before the update (prequential).
                     result = run.trainer.train_step(batch, upcoming)
                     # Evaluate and advance the resume point past this batch.
+                    t_eval = time.perf_counter()
                     run.record(batch, result)
-                    acc = run.window.window()
+                    acc = run.window.window() if run.monitor.interval_due() else run.window.latest()
+                    result.phase_s["eval"] = time.perf_counter() - t_eval
                     run.monitor.on_batch(batch, result, acc)
                     progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss,
                                     window=run.window_label())
@@ -355,6 +361,7 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
                         break
             run.end_epoch(source)
         acc = run.window.window()
+        run.monitor.metrics.observe_accuracy(acc.as_dict())     # the last interval: exact
         progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss, force=True,
                         window=run.window_label())
         progress.close()

@@ -51,3 +51,31 @@ def test_window_keeps_latest_and_restores():
     restored.load_state_dict(w.state_dict())
     assert restored.window().auc == w.window().auc
     assert restored.totals() == w.totals()
+
+
+def test_latest_recomputes_the_window_only_when_due_and_equals_it_then():
+    """Progress, time series and gauges read `latest()`: at most one sort per refresh period."""
+    rng = np.random.default_rng(0)
+    now = [0.0]
+    w = PrequentialWindow(1000, refresh_every_s=1.0, clock=lambda: now[0])
+    calls = []
+    exact = w.window
+    w.window = lambda: calls.append(now[0]) or exact()            # count the sorts
+    p, y = rng.random(64).astype(np.float32), (rng.random(64) < 0.3).astype(np.float32)
+    w.add(p, y)
+    first = w.latest()
+    for _ in range(50):                                           # 50 batches within the second
+        now[0] += 0.01
+        w.add(rng.random(64).astype(np.float32), (rng.random(64) < 0.3).astype(np.float32))
+        assert w.latest() is first
+    now[0] += 1.0
+    fresh = w.latest()
+    assert calls == [0.0, now[0]]
+    now[0] += 2.0
+    assert w.latest() is fresh and len(calls) == 2                 # nothing new came in: no sort
+    assert fresh.auc == exact().auc and fresh.records == 1000       # the window as it is now
+    zero = PrequentialWindow(1000, refresh_every_s=0.0)
+    zero.add(p, y)
+    a = zero.latest()
+    zero.add(p, 1 - y)
+    assert zero.latest().auc != a.auc                              # 0 s: after every batch
