@@ -108,6 +108,10 @@ class ResolvedOptim(OptimConfig):
 @dataclass
 class TrainConfig:
     device: str = "auto"            # auto | cpu | cuda | cuda:N
+    # The dense model's matmuls: "bf16" (autocast; weights, rows, Adam and CowClip stay
+    # fp32), "fp32", or "auto" = bf16 where the hardware runs it fast (CUDA 8.0+, a CPU
+    # with AMX or AVX512-BF16), fp32 elsewhere (train/precision.py).
+    precision: str = "auto"         # auto | fp32 | bf16
     seed: int = 1235
     threads: int = 0                # torch intra-op threads; 0 = torch default
     deterministic: bool = True
@@ -345,6 +349,8 @@ def validate(cfg: Config) -> Config:
         (t.checkpoint_every_batches >= 0, "train.checkpoint_every_batches must be >= 0"),
         (t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}"),
         (t.eval_window_records >= 1, "train.eval_window_records must be >= 1"),
+        (t.precision in ("auto", "fp32", "bf16"),
+         f"train.precision must be auto, fp32 or bf16, got {t.precision!r}"),
         (t.eval_refresh_s >= 0, "train.eval_refresh_s must be >= 0 (0: recompute the window after every batch)"),
         (0 <= cfg.metrics.port <= 65535, f"metrics.port must be in [0, 65535], got {cfg.metrics.port}"),
         (bool(cfg.metrics.addr.strip()), "metrics.addr must be an address to bind, e.g. 127.0.0.1"),

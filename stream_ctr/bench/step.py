@@ -55,6 +55,8 @@ def add_bench_step_parser(bsub: argparse._SubParsersAction, add_common) -> None:
     b.add_argument("--model", default="deepfm", choices=["deepfm", "wdl", "dcn", "dcnv2"], help="model to time")
     b.add_argument("--device", default="auto", help="auto (CUDA if present, else cpu), cpu, cuda[:N]")
     b.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    b.add_argument("--precisions", default="fp32,bf16",
+                   help="comma-separated, of fp32 and bf16 (train.precision: the dense model's matmuls)")
     add_common(b)
     b.set_defaults(func=cmd_bench_step)
 
@@ -69,7 +71,11 @@ def cmd_bench_step(args: argparse.Namespace) -> tuple[dict, str]:
     steps = args.steps if args.steps is not None else (CUDA_STEPS if on_cuda else CPU_STEPS)
     if min(sizes) < 1 or steps < 1:
         raise ConfigError("bench step: --batch-sizes and --steps must be >= 1")
-    rows = bench_step(sizes, steps, device, args.model, args.threads, show_progress=not args.quiet)
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    if not precisions or set(precisions) - {"fp32", "bf16"}:
+        raise ConfigError(f"bench step: --precisions takes fp32 and/or bf16, got {args.precisions!r}")
+    rows = bench_step(sizes, steps, device, args.model, args.threads, show_progress=not args.quiet,
+                      precisions=precisions)
     if not args.json:
         print(format_step_table(rows))
     return ({"bench": "step", "device": str(device), "rows": rows},
@@ -99,8 +105,10 @@ def synthetic_batches(batch_sizes: list[int]) -> tuple[dict[int, list[Batch]], i
 
 
 def bench_step(batch_sizes: list[int], steps: int, device: torch.device, model: str = "deepfm",
-               threads: int = 0, show_progress: bool = False) -> list[dict]:
-    """One result row per (batch size, kernel path): samples/s, ms/step, unique rows per step."""
+               threads: int = 0, show_progress: bool = False,
+               precisions: tuple[str, ...] | list[str] = ("fp32",)) -> list[dict]:
+    """One result row per (batch size, precision, kernel path): samples/s, ms/step, unique
+    rows per step; "vs reference" compares paths at the same precision."""
     from stream_ctr.ops import dispatch
     from stream_ctr.config import Config
     from stream_ctr.train.loop import configure_torch
@@ -108,12 +116,13 @@ def bench_step(batch_sizes: list[int], steps: int, device: torch.device, model: 
     paths = [dispatch.PATH_REFERENCE] + ([] if skip_triton else [dispatch.PATH_TRITON])
     batches, n_fields, n_dense = synthetic_batches(batch_sizes)
     results = []
-    for bs in batch_sizes:
+    for bs, precision in ((bs, p) for bs in batch_sizes for p in precisions):
         cfg = Config()
         cfg.model.name = model
         cfg.data.batch_size = bs
         cfg.train.device = str(device)
         cfg.train.threads = threads
+        cfg.train.precision = precision
         cfg.store.kind = "memory"
         configure_torch(cfg)
         reference_samples_per_s = 0.0
@@ -123,11 +132,12 @@ def bench_step(batch_sizes: list[int], steps: int, device: torch.device, model: 
                 row = _time_steps(cfg, batches[bs], n_fields, n_dense, steps)
             if path == dispatch.PATH_REFERENCE:
                 reference_samples_per_s = row["samples_per_s"]
-            row.update(model=model, batch_size=bs, device=str(device), triton_skipped=skip_triton,
+            row.update(model=model, batch_size=bs, precision=precision, device=str(device),
+                       triton_skipped=skip_triton,
                        speedup_vs_reference=row["samples_per_s"] / reference_samples_per_s)
             results.append(row)
             if show_progress:
-                print(f"bench step: batch {bs:,} {row['path']}: {row['samples_per_s']:,.0f} samples/s",
+                print(f"bench step: batch {bs:,} {precision} {row['path']}: {row['samples_per_s']:,.0f} samples/s",
                       file=sys.stderr, flush=True)
     return results
 
@@ -167,8 +177,8 @@ def _time_steps(cfg, batches: list[Batch], n_fields: int, n_dense: int, steps: i
 
 
 def format_step_table(rows: list[dict]) -> str:
-    head = ["batch", "path", "samples/s", "ms/step", "unique rows/step", "vs reference", "steps"]
-    table = [head] + [[f"{r['batch_size']:,}", r["path"], f"{r['samples_per_s']:,.0f}",
+    head = ["batch", "precision", "path", "samples/s", "ms/step", "unique rows/step", "vs reference", "steps"]
+    table = [head] + [[f"{r['batch_size']:,}", r.get("precision", "fp32"), r["path"], f"{r['samples_per_s']:,.0f}",
                        f"{r['seconds_per_step'] * 1e3:.2f}", f"{r['unique_rows_per_step']:,.0f}",
                        f"{r['speedup_vs_reference']:.2f}x", str(r["steps"])] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(head))]

@@ -5,6 +5,7 @@
     batcher     rows -> batches of the configured size
     streaming   Kafka sources: latency-bounded batches, dead letters
     trainer     the model, its store and both optimizers; one step
+    precision   fp32 or bf16 (autocast) for the dense model, by hardware
     checkpoint  atomic, checksummed checkpoints with the source position
     evaluation  AUC, logloss, calibration, the prequential window
 

@@ -54,6 +54,7 @@ class RunSummary:
     # Wall seconds per step phase (decode, prepare, forward_backward, update, eval,
     # merge, checkpoint) in this invocation: where the time went.
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    precision: str = ""                 # the dense model's matmuls: fp32 or bf16
     window: dict[str, float] = field(default_factory=dict)
     test: dict[str, float] = field(default_factory=dict)
     checkpoint: str = ""
@@ -306,6 +307,7 @@ class Run:
         s.floor_row_fraction = self.rows_at_floor / max(self.rows_touched, 1)
         s.clip_ratio = self.monitor.metrics.clip_ratio.summary()
         s.phase_seconds = {k: round(v, 4) for k, v in self.monitor.metrics.phase_seconds.items()}
+        s.precision = self.trainer.precision
         s.rejected_by_reason = dict(self.dead_letter.counts)
         s.records_rejected = sum(self.dead_letter.counts.values())
         self.dead_letter.close()
@@ -333,6 +335,9 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
     run.summary.optim = dataclasses.asdict(run.trainer.optim)
     if show_progress:
         print(describe_optim(run.trainer.optim), file=sys.stderr, flush=True)
+        t = run.trainer
+        print(f"model: {cfg.model.name} on {t.device}, {t.precision} matmuls "
+              f"(train.precision={cfg.train.precision})", file=sys.stderr, flush=True)
     progress = Progress("train", cfg.train.log_every_s, enabled=show_progress)
     every = cfg.train.checkpoint_every_batches
     with StopSignal() as stop, run:

@@ -21,6 +21,7 @@ from stream_ctr.config import Config, resolve_optim
 from stream_ctr.store.embedding import EmbeddingStore
 from stream_ctr.store import build_store
 from stream_ctr.models.networks import build_model
+from stream_ctr.train.precision import autocast, resolve_precision
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,6 +63,7 @@ class Trainer:
                  store: EmbeddingStore | None = None, read_only: bool = False) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
+        self.precision = resolve_precision(cfg.train.precision, self.device)
         self.n_fields, self.n_dense = n_fields, n_dense
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model, n_fields, n_dense).to(self.device)
@@ -138,7 +140,9 @@ class Trainer:
         d = self.cfg.model.embed_dim
         emb = gather_rows(rows[:, :d].contiguous(), inverse).view(b, self.n_fields, d)
         lin = rows[:, d][inverse].view(b, self.n_fields)
-        return self.model(emb, lin, dense)
+        with autocast(self.precision, self.device):
+            logits = self.model(emb, lin, dense)
+        return logits.float()
 
     def _working_set(self, batch: Batch) -> tuple[torch.Tensor, ...]:
         """Unique signs, each key's index into them, and in-batch counts (CowClip's cnt)."""

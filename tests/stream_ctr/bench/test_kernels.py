@@ -101,7 +101,8 @@ def test_bench_step_json(capsys, torch_global_state):
     out = run_json(capsys, "bench", "step", "--batch-sizes", "32,64", "--steps", str(steps))
     assert out["bench"] == "step"
     paths = [dispatch.PATH_REFERENCE, dispatch.PATH_TRITON] if ON_CUDA else [dispatch.PATH_REFERENCE]
-    assert [(r["batch_size"], r["path"]) for r in out["rows"]] == [(b, p) for b in sizes for p in paths]
+    assert [(r["batch_size"], r["precision"], r["path"]) for r in out["rows"]] == \
+        [(b, prec, p) for b in sizes for prec in ("fp32", "bf16") for p in paths]
     for r in out["rows"]:
         assert r["model"] == "deepfm" and r["steps"] == steps and r["skipped_steps"] == 0
         assert positive(r["seconds"]) and positive(r["samples_per_s"]) and positive(r["seconds_per_step"])
