@@ -6,6 +6,13 @@ Two numbers per configuration:
   * including decoding: the file is read, decoded, micro-batched and trained,
     as `stream-ctr train` does.
 The phase split (prepare / forward+backward / update) shows where time goes.
+
+Beside them, in the same process and minute, a bare torch MLP of the model's
+deep part (input F*d + n_dense, the configured hidden layers, one output):
+forward, BCE, backward and Adam on random dense input, in fp32 and in bf16
+(autocast). It has no embeddings, no sparse update, no data: it is this
+machine's ceiling for the dense work, so "vs bare fp32" says how close the
+whole trainer comes to it on this machine, whatever the machine.
 """
 from __future__ import annotations
 
@@ -23,8 +30,9 @@ from stream_ctr.train.batcher import MicroBatcher
 from stream_ctr.config import Config
 
 
-def _bench_config(model: str, batch_size: int, threads: int) -> Config:
+def _bench_config(model: str, batch_size: int, threads: int, precision: str = "auto") -> Config:
     cfg = Config()
+    cfg.train.precision = precision
     cfg.model.name = model
     cfg.data.batch_size = batch_size
     cfg.train.threads = threads
@@ -41,10 +49,45 @@ def _batches(path: str, batch_size: int) -> list[Batch]:
     return out
 
 
-def _worker(path: str, model: str, batch_size: int, threads: int, queue: mp.Queue) -> None:
+def bare_mlp_samples_per_s(in_features: int, hidden: tuple[int, ...], batch_size: int,
+                           precision: str, device: torch.device, min_seconds: float = 1.0) -> float:
+    """Samples/s of forward + BCE + backward + Adam for a bare MLP (ReLU, one output)."""
+    from stream_ctr.train.precision import autocast
+    torch.manual_seed(0)
+    dims = (in_features, *hidden)
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(dims, dims[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    mlp = torch.nn.Sequential(*layers, torch.nn.Linear(dims[-1], 1)).to(device)
+    opt = torch.optim.Adam(mlp.parameters(), lr=1e-3, foreach=True)
+    x = torch.randn(batch_size, in_features, device=device)
+    y = (torch.rand(batch_size, device=device) < 0.2).float()
+
+    def step() -> None:
+        with autocast(precision, device):
+            logits = mlp(x).squeeze(1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for _ in range(3):                   # warm-up: allocator, oneDNN / cuBLAS plans
+        step()
+    steps, t0 = 0, time.perf_counter()
+    while True:
+        step()
+        steps += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if steps >= 3 and time.perf_counter() - t0 >= min_seconds:
+            break
+    return steps * batch_size / (time.perf_counter() - t0)
+
+
+def _worker(path: str, model: str, batch_size: int, threads: int, precision: str, queue: mp.Queue) -> None:
     from stream_ctr.train.trainer import Trainer
     from stream_ctr.train.loop import configure_torch
-    cfg = _bench_config(model, batch_size, threads)
+    cfg = _bench_config(model, batch_size, threads, precision)
     configure_torch(cfg)
     fmt, _ = detect_format(f"criteo:{path}")
 
@@ -78,8 +121,14 @@ def _worker(path: str, model: str, batch_size: int, threads: int, queue: mp.Queu
         torch.cuda.synchronize()
     total_s = time.perf_counter() - t0
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    in_features = fmt.n_keys * cfg.model.embed_dim + fmt.n_dense
+    bare = {p: bare_mlp_samples_per_s(in_features, cfg.model.mlp_dims, batch_size, p, trainer.device)
+            for p in ("fp32", "bf16")}
     queue.put({"model": model, "batch_size": batch_size, "records": records,
                "device": str(trainer.device), "threads": torch.get_num_threads(),
+               "precision": trainer.precision,
+               "bare_mlp_fp32_samples_per_s": bare["fp32"], "bare_mlp_bf16_samples_per_s": bare["bf16"],
+               "vs_bare_fp32": (records / total_s) / bare["fp32"],
                "samples_per_s_excl_decode": records / train_s,
                "samples_per_s_incl_decode": records / total_s,
                "decode_records_per_s": records / decode_s,
@@ -90,7 +139,8 @@ def _worker(path: str, model: str, batch_size: int, threads: int, queue: mp.Queu
 
 
 def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
-                data: str | None = None, threads: int = 0, show_progress: bool = True) -> list[dict]:
+                data: str | None = None, threads: int = 0, show_progress: bool = True,
+                precision: str = "auto") -> list[dict]:
     from stream_ctr.connectors.synth import write_synthetic_criteo
     tmp = None
     if data is None:
@@ -102,7 +152,7 @@ def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
     try:
         for bs in batch_sizes:
             queue = ctx.Queue()
-            proc = ctx.Process(target=_worker, args=(data, model, bs, threads, queue))
+            proc = ctx.Process(target=_worker, args=(data, model, bs, threads, precision, queue))
             proc.start()
             row = queue.get()
             proc.join()
@@ -122,11 +172,16 @@ def format_table(rows: list[dict]) -> str:
             ("samples_per_s_incl_decode", "samples/s incl. decode", "{:,.0f}"),
             ("decode_records_per_s", "decode rec/s", "{:,.0f}"),
             ("prepare_pct", "prepare %", "{:.0f}"), ("fwd_bwd_pct", "fwd+bwd %", "{:.0f}"),
-            ("update_pct", "update %", "{:.0f}"), ("peak_rss_mb", "peak RSS MB", "{:,.0f}")]
+            ("update_pct", "update %", "{:.0f}"), ("peak_rss_mb", "peak RSS MB", "{:,.0f}"),
+            ("bare_mlp_fp32_samples_per_s", "bare MLP fp32/s", "{:,.0f}"),
+            ("bare_mlp_bf16_samples_per_s", "bare MLP bf16/s", "{:,.0f}"),
+            ("vs_bare_fp32", "incl. decode vs bare fp32", "{:.2f}x")]
     table = [[title for _, title, _ in cols]]
     table += [[fmt.format(r[key]) for key, _, fmt in cols] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     lines = [" | ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     device = rows[0]["device"] if rows else "?"
-    return f"model {rows[0]['model'] if rows else '?'} on {device}\n" + "\n".join(lines)
+    precision = rows[0].get("precision", "fp32") if rows else "?"
+    return (f"model {rows[0]['model'] if rows else '?'} on {device}, trainer in {precision}; "
+            f"bare MLP = the deep part alone, same process\n" + "\n".join(lines))

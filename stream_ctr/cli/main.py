@@ -183,6 +183,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--data", help="use this Criteo file (default: a synthetic file generated for the run)")
     b.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (default 0: torch's choice, usually every core)")
+    b.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="train.precision of the trainer (default auto: bf16 where the hardware runs it fast)")
     _add_common(b)
     b.set_defaults(func=cmd_bench_train)
     from stream_ctr.cli.kafka import add_bench_ingest_parser
@@ -344,7 +346,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
 def cmd_bench_train(args: argparse.Namespace) -> int:
     from stream_ctr.bench.train import bench_train, format_table
     rows = bench_train(args.records, [int(x) for x in args.batch_sizes.split(",")],
-                       args.model, args.data, args.threads, show_progress=not args.quiet)
+                       args.model, args.data, args.threads, show_progress=not args.quiet,
+                       precision=args.precision)
     if not args.json:
         print(format_table(rows))
     emit(args, {"bench": "train", "rows": rows}, f"bench train: {len(rows)} configurations measured")

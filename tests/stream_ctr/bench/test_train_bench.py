@@ -1,0 +1,24 @@
+"""`stream-ctr bench train`: the trainer's samples/s beside a bare MLP measured in the same process."""
+import json
+import math
+
+import pytest
+
+from stream_ctr.cli import main
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bench_train_reports_the_same_run_bare_mlp_and_the_ratio(capsys, precision):
+    assert main(["bench", "train", "--records", "3000", "--batch-sizes", "512", "--threads", "1",
+                 "--precision", precision, "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (row,) = out["rows"]
+    assert row["batch_size"] == 512 and row["precision"] == precision and row["records"] > 2000
+    for key in ("samples_per_s_excl_decode", "samples_per_s_incl_decode", "bare_mlp_fp32_samples_per_s",
+                "bare_mlp_bf16_samples_per_s", "vs_bare_fp32"):
+        assert positive(row[key]), key
+    assert row["vs_bare_fp32"] == pytest.approx(row["samples_per_s_incl_decode"] / row["bare_mlp_fp32_samples_per_s"])
