@@ -6,6 +6,7 @@
     decode        vectorized numpy line decoder; decode_jit its compiled twin;
                   decode_tables what both share
     files         file sources (plain or gzip), bundled samples
+    read_ahead    a source decoded on a background thread, a bounded queue ahead
     dead_letter   where records that did not decode go
     synth         synthetic Criteo-format streams with a hidden teacher
     kafka/        the Kafka consumer source, sink, replay and positions

@@ -34,6 +34,9 @@ class DataConfig:
     limit_records: int = 0          # 0 = no limit (training records, holdout excluded)
     epochs: int = 1
     chunk_records: int = 65536      # records decoded per read
+    # File sources: chunks decoded ahead on a background thread while the trainer
+    # steps (the decoder releases the GIL); 0 = decode on the training thread.
+    read_ahead_chunks: int = 2
     dead_letter_path: str = ""      # default: RUN_DIR/dead_letter.jsonl
 
 
@@ -349,6 +352,7 @@ def validate(cfg: Config) -> Config:
         (t.checkpoint_every_batches >= 0, "train.checkpoint_every_batches must be >= 0"),
         (t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}"),
         (t.eval_window_records >= 1, "train.eval_window_records must be >= 1"),
+        (cfg.data.read_ahead_chunks >= 0, "data.read_ahead_chunks must be >= 0 (0: no read-ahead)"),
         (t.precision in ("auto", "fp32", "bf16"),
          f"train.precision must be auto, fp32 or bf16, got {t.precision!r}"),
         (t.eval_refresh_s >= 0, "train.eval_refresh_s must be >= 0 (0: recompute the window after every batch)"),

@@ -4,7 +4,7 @@ Each batch size runs in its own process so that its peak RSS is its own.
 Two numbers per configuration:
   * excluding decoding: all batches are decoded first, then only steps are timed;
   * including decoding: the file is read, decoded, micro-batched and trained,
-    as `stream-ctr train` does.
+    as `stream-ctr train` does (chunks decoded ahead on a thread, --read-ahead).
 The phase split (prepare / forward+backward / update) shows where time goes.
 
 Beside them, in the same process and minute, a bare torch MLP of the model's
@@ -26,13 +26,16 @@ import torch
 
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.files import FileSource, detect_format
+from stream_ctr.connectors.read_ahead import ReadAhead
 from stream_ctr.train.batcher import MicroBatcher
 from stream_ctr.config import Config
 
 
-def _bench_config(model: str, batch_size: int, threads: int, precision: str = "auto") -> Config:
+def _bench_config(model: str, batch_size: int, threads: int, precision: str = "auto",
+                  read_ahead_chunks: int = 2) -> Config:
     cfg = Config()
     cfg.train.precision = precision
+    cfg.data.read_ahead_chunks = read_ahead_chunks
     cfg.model.name = model
     cfg.data.batch_size = batch_size
     cfg.train.threads = threads
@@ -84,10 +87,11 @@ def bare_mlp_samples_per_s(in_features: int, hidden: tuple[int, ...], batch_size
     return steps * batch_size / (time.perf_counter() - t0)
 
 
-def _worker(path: str, model: str, batch_size: int, threads: int, precision: str, queue: mp.Queue) -> None:
+def _worker(path: str, model: str, batch_size: int, threads: int, precision: str, read_ahead: int,
+            queue: mp.Queue) -> None:
     from stream_ctr.train.trainer import Trainer
     from stream_ctr.train.loop import configure_torch
-    cfg = _bench_config(model, batch_size, threads, precision)
+    cfg = _bench_config(model, batch_size, threads, precision, read_ahead)
     configure_torch(cfg)
     fmt, _ = detect_format(f"criteo:{path}")
 
@@ -113,7 +117,10 @@ def _worker(path: str, model: str, batch_size: int, threads: int, precision: str
     t0 = time.perf_counter()
     fmt, p = detect_format(f"criteo:{path}")
     batcher = MicroBatcher(batch_size)
-    with FileSource(p, fmt, chunk_records=max(65536, batch_size)) as src:
+    src = FileSource(p, fmt, chunk_records=max(65536, batch_size))
+    if cfg.data.read_ahead_chunks:         # decoded on a thread while the steps run, as in train
+        src = ReadAhead(src, cfg.data.read_ahead_chunks)
+    with src:
         while not src.exhausted:
             for batch in batcher.add(src.read()[0]):
                 trainer.train_step(batch)
@@ -126,7 +133,7 @@ def _worker(path: str, model: str, batch_size: int, threads: int, precision: str
             for p in ("fp32", "bf16")}
     queue.put({"model": model, "batch_size": batch_size, "records": records,
                "device": str(trainer.device), "threads": torch.get_num_threads(),
-               "precision": trainer.precision,
+               "precision": trainer.precision, "read_ahead_chunks": cfg.data.read_ahead_chunks,
                "bare_mlp_fp32_samples_per_s": bare["fp32"], "bare_mlp_bf16_samples_per_s": bare["bf16"],
                "vs_bare_fp32": (records / total_s) / bare["fp32"],
                "samples_per_s_excl_decode": records / train_s,
@@ -140,7 +147,7 @@ def _worker(path: str, model: str, batch_size: int, threads: int, precision: str
 
 def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
                 data: str | None = None, threads: int = 0, show_progress: bool = True,
-                precision: str = "auto") -> list[dict]:
+                precision: str = "auto", read_ahead: int = 2) -> list[dict]:
     from stream_ctr.connectors.synth import write_synthetic_criteo
     tmp = None
     if data is None:
@@ -152,7 +159,7 @@ def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
     try:
         for bs in batch_sizes:
             queue = ctx.Queue()
-            proc = ctx.Process(target=_worker, args=(data, model, bs, threads, precision, queue))
+            proc = ctx.Process(target=_worker, args=(data, model, bs, threads, precision, read_ahead, queue))
             proc.start()
             row = queue.get()
             proc.join()

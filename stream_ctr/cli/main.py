@@ -185,6 +185,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch intra-op threads (default 0: torch's choice, usually every core)")
     b.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
                    help="train.precision of the trainer (default auto: bf16 where the hardware runs it fast)")
+    b.add_argument("--read-ahead", type=int, default=2,
+                   help="data.read_ahead_chunks of the decode-included run (0: decode on the training thread)")
     _add_common(b)
     b.set_defaults(func=cmd_bench_train)
     from stream_ctr.cli.kafka import add_bench_ingest_parser
@@ -347,7 +349,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     from stream_ctr.bench.train import bench_train, format_table
     rows = bench_train(args.records, [int(x) for x in args.batch_sizes.split(",")],
                        args.model, args.data, args.threads, show_progress=not args.quiet,
-                       precision=args.precision)
+                       precision=args.precision, read_ahead=args.read_ahead)
     if not args.json:
         print(format_table(rows))
     emit(args, {"bench": "train", "rows": rows}, f"bench train: {len(rows)} configurations measured")

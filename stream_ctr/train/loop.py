@@ -17,6 +17,7 @@ import torch
 
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.files import FileSource, count_records, detect_format
+from stream_ctr.connectors.read_ahead import ReadAhead
 from stream_ctr.train.checkpoint import CheckpointState, load_checkpoint, resolve_checkpoint, save_checkpoint
 from stream_ctr.config import Config, ConfigError, describe_optim, validate
 from stream_ctr.train.evaluation import Accuracy, PrequentialWindow, accuracy
@@ -213,6 +214,8 @@ class Run:
         start = self.positions.get(f"file:{self.path.name}", 0)
         self.source = FileSource(self.path, self.fmt, start_offset=start,
                                  chunk_records=self.cfg.data.chunk_records, stop_offset=self.train_end)
+        if self.cfg.data.read_ahead_chunks:
+            self.source = ReadAhead(self.source, self.cfg.data.read_ahead_chunks)
         return self.source
 
     def record(self, batch: Batch, result) -> None:
