@@ -162,11 +162,10 @@ class DistributedRun(Run):
             from stream_ctr.connectors.kafka.source import KafkaSource
             self.source = KafkaSource(self.stream, positions=self.positions, on_revoke=self._on_revoke,
                                       chunk_records=self.cfg.data.chunk_records, wait_for_peers=True)
-        source = super().open_source()
-        if isinstance(source, FileSource) and self.ctx.world_size > 1:
-            source = StripedSource(source, self.ctx.rank, self.ctx.world_size)
-            self.source = source
-        return source
+        return super().open_source()
+
+    def file_share(self, source: FileSource):
+        return StripedSource(source, self.ctx.rank, self.ctx.world_size) if self.ctx.world_size > 1 else source
 
     def _on_revoke(self, partitions: list[str], lost: bool) -> None:
         """Rebalance (inside this rank's poll): drop the revoked partitions' untrained

@@ -212,11 +212,18 @@ class Run:
                 self.source = open_kafka_source(self, self.stream)
             return contextlib.nullcontext(self.source)
         start = self.positions.get(f"file:{self.path.name}", 0)
-        self.source = FileSource(self.path, self.fmt, start_offset=start,
-                                 chunk_records=self.cfg.data.chunk_records, stop_offset=self.train_end)
+        source = self.file_share(FileSource(self.path, self.fmt, start_offset=start,
+                                            chunk_records=self.cfg.data.chunk_records,
+                                            stop_offset=self.train_end))
         if self.cfg.data.read_ahead_chunks:
-            self.source = ReadAhead(self.source, self.cfg.data.read_ahead_chunks)
-        return self.source
+            source = ReadAhead(source, self.cfg.data.read_ahead_chunks)
+        self.source = source
+        return source
+
+    def file_share(self, source: FileSource):
+        """The records of the file this process trains: all of them (a rank of a
+        distributed job takes its stripe). Read ahead, if configured, after this."""
+        return source
 
     def record(self, batch: Batch, result) -> None:
         """Prequential scores into the window; the batch's end becomes the resume point."""
