@@ -115,6 +115,9 @@ class TrainConfig:
     # fp32), "fp32", or "auto" = bf16 where the hardware runs it fast (CUDA 8.0+, a CPU
     # with AMX or AVX512-BF16), fp32 elsewhere (train/precision.py).
     precision: str = "auto"         # auto | fp32 | bf16
+    # CUDA: synchronize at each step-phase boundary so the phase metrics charge each
+    # phase its own GPU time (costs some CPU/GPU overlap; CPU runs are always exact).
+    sync_phases: bool = False
     seed: int = 1235
     threads: int = 0                # torch intra-op threads; 0 = torch default
     deterministic: bool = True

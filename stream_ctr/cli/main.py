@@ -261,7 +261,8 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
                 continue
             value = action.default
             shown = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else value
-            action.help += f" (default: {shown!r})" if isinstance(shown, str) else f" (default: {shown})"
+            text = f" (default: {shown!r})" if isinstance(shown, str) else f" (default: {shown})"
+            action.help += text.replace("%", "%%")      # argparse %-formats help (env defaults)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -206,7 +206,7 @@ class DistributedRun(Run):
                     return batch
                 continue
             self._opened.__exit__(None, None, None)
-            self.end_epoch(self._source)
+            self.end_epoch(self._source, completed=True)     # its batches ran out
             self._feed = None
         return None
 
@@ -227,7 +227,7 @@ class DistributedRun(Run):
             if len(batch):
                 return self._within_limit(batch)
         if self.limit_reached or source.exhausted:     # idle for kafka.stop_when_idle_s
-            self.end_epoch(source)
+            self.end_epoch(source, completed=True)
             self._done = True
             rest = self.batcher.flush()      # the tail trains (at the limit it is dropped)
             return self._within_limit(rest) if rest is not None and not self.limit_reached else None
@@ -300,9 +300,10 @@ class DistributedRun(Run):
             self.store.settle()           # a skipped (non-finite) step still answers the owners
             t_eval = time.perf_counter()
             self.record(batch, result)
-            acc = self.window.window() if self.monitor.interval_due() else self.window.latest()
+            interval = self.monitor.interval_due()     # a time-series record: exact accuracy
+            acc = self.window.window() if interval else self.window.latest()
             result.phase_s["eval"] = time.perf_counter() - t_eval
-            self.monitor.on_batch(batch, result, acc)
+            self.monitor.on_batch(batch, result, acc, interval)
             trained = 0 if bool(result.skipped) else len(batch)   # its dense state did not move
         self.global_step += 1
         self.trainer.step = self.global_step     # what the rank checkpoints: the same everywhere

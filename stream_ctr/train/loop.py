@@ -241,12 +241,15 @@ class Run:
         if self.remaining > 0:
             self.remaining -= len(batch)
 
-    def end_epoch(self, source: FileSource) -> None:
+    def end_epoch(self, source: FileSource, completed: bool) -> None:
+        """After a pass over the source. `completed`: its batches ran out (every one was
+        trained), as opposed to a stop signal ending the pass -- never read off the
+        source, which says exhausted once closed, or once its last rows are read ahead."""
         # The epoch is over only when every record of it was trained, not
         # merely read: a limit may have stopped the loop with rows pending.
         if self.stream is not None:          # a stream ends (idle), it never starts over
             self.stream_ended = source.exhausted
-        elif source.exhausted and not self.limit_reached:
+        elif completed and not self.limit_reached:
             self.epoch, self.positions = self.epoch + 1, {}
             self.monitor.metrics.observe_epoch(self.epoch, another_pass=self.epoch < self.cfg.data.epochs)
             if (self.EVALUATES_EACH_PASS and self.cfg.data.epochs > 1 and self.epoch < self.cfg.data.epochs
@@ -306,6 +309,8 @@ class Run:
         if self.stream is not None and self.source is not None:
             self.summary.source_stats = self.source.stats.as_dict()
             self.source.close()            # leaves the group; commits happen after checkpoints only
+        elif self.source is not None:      # a pass a stop cut short: its file and read-ahead thread
+            self.source.close()
 
     def finish(self, seconds: float) -> RunSummary:
         s = self.summary
@@ -356,6 +361,7 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
                 batches = run.batches(source, stop)
                 # A tiered store prefetches the next batch's rows while this one trains.
                 run.lookahead = LookAhead(batches, cfg.store.kind == "tiered")
+                completed = False
                 for batch, upcoming in run.lookahead:
                     batch = run.owned(batch)    # a rebalance during the look-ahead read?
                     if not len(batch):
@@ -365,16 +371,19 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
                     # Evaluate and advance the resume point past this batch.
                     t_eval = time.perf_counter()
                     run.record(batch, result)
-                    acc = run.window.window() if run.monitor.interval_due() else run.window.latest()
+                    interval = run.monitor.interval_due()      # a time-series record: exact accuracy
+                    acc = run.window.window() if interval else run.window.latest()
                     result.phase_s["eval"] = time.perf_counter() - t_eval
-                    run.monitor.on_batch(batch, result, acc)
+                    run.monitor.on_batch(batch, result, acc, interval)
                     progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss,
                                     window=run.window_label())
                     if every and run.summary.batches % every == 0:
                         run.checkpoint()
                     if stop.requested:
                         break
-            run.end_epoch(source)
+                else:
+                    completed = True
+            run.end_epoch(source, completed)
         acc = run.window.window()
         run.monitor.metrics.observe_accuracy(acc.as_dict())     # the last interval: exact
         progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss, force=True,

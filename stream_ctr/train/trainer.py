@@ -64,6 +64,7 @@ class Trainer:
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
         self.precision = resolve_precision(cfg.train.precision, self.device)
+        self._sync_phases = cfg.train.sync_phases and self.device.type == "cuda"
         self.n_fields, self.n_dense = n_fields, n_dense
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model, n_fields, n_dense).to(self.device)
@@ -106,14 +107,15 @@ class Trainer:
         return self.optim.lr_dense * (min(1.0, step * self.optim.batch_size / warm) if warm > 0 else 1.0)
 
     @torch.no_grad()
-    @torch.no_grad()
     def _init_bias(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         """Output bias <- the shift that makes the first batch's mean prediction its
-        click rate (clamped away from 0 and 1), so the model starts at the base rate
+        click rate (Laplace-smoothed), so the model starts at the base rate
         instead of 0.5. `logits` are the first batch's scores with the current bias;
         the shift is solved (Newton on a monotone scalar function), not taken as
         logit(CTR), because the other terms' initial logits are not centred at 0."""
-        ctr = labels.float().mean().clamp(1e-4, 1 - 1e-4)
+        # Laplace-smoothed: a tiny first batch (a stream flushed on its latency budget)
+        # with no click must not start the model at p = 1e-4.
+        ctr = (labels.float().sum() + 1) / (labels.numel() + 2)
         z = logits.detach().float()
         shift = torch.log(ctr / (1 - ctr)) - z.mean()
         for _ in range(50):
@@ -123,7 +125,8 @@ class Trainer:
             shift -= step
             if step.abs() < 1e-6:
                 break
-        self.model.linear.bias.add_(shift)
+        if torch.isfinite(shift):           # non-finite first scores: keep the bias at 0
+            self.model.linear.bias.add_(shift)
 
     def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         dense = torch.from_numpy(batch.dense).to(self.device, non_blocking=True)
@@ -152,9 +155,11 @@ class Trainer:
         return torch.unique(keys, return_inverse=True, return_counts=True)
 
     def _clock(self) -> float:
-        """A phase boundary: on CUDA the queued kernels finish first, so each phase is
-        charged with its own GPU time, not with the launches of the one before."""
-        if self.device.type == "cuda":
+        """A phase boundary. With train.sync_phases on CUDA the queued kernels finish
+        first, so each phase is charged with its own GPU time, not with the launches
+        of the one before (off by default: the sync stops the CPU from queuing the
+        next phase's kernels while the GPU works)."""
+        if self._sync_phases:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 

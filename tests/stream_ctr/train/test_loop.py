@@ -230,3 +230,27 @@ def test_epochs_report_held_out_accuracy_per_pass_and_label_the_reread_window(tm
     assert one.test_per_epoch == []                  # a single pass: the test AUC says it all
     assert "re-read" not in capsys.readouterr().err
     assert Run.window_label.__doc__
+
+
+@pytest.mark.parametrize("read_ahead, store", [(0, "memory"), (2, "memory"), (2, "tiered")])
+def test_a_stop_mid_pass_resumes_with_the_rest_of_that_pass(tmp_path, monkeypatch, read_ahead, store):
+    """SIGTERM after a few batches: the pass is not over (the closed source must not
+    count as a finished epoch), so the resumed run trains exactly the rows left."""
+    import os
+    import signal
+
+    from stream_ctr.train import loop
+    cfg = small_config(tmp_path, read_ahead_chunks=read_ahead, chunk_records=500, holdout_fraction=0.1)
+    cfg.store.kind = store
+    record = loop.Run.record
+
+    def record_then_stop(self, batch, result):
+        record(self, batch, result)
+        if self.summary.batches == 5:
+            os.kill(os.getpid(), signal.SIGTERM)          # as a supervisor would
+    monkeypatch.setattr(loop.Run, "record", record_then_stop)
+    first = train(cfg, show_progress=False)
+    assert first.stopped and first.records_trained == 5 * 128
+    monkeypatch.setattr(loop.Run, "record", record)
+    rest = train(cfg, resume=cfg.train.run_dir, show_progress=False)
+    assert rest.records_trained == 13_044 - 5 * 128 and rest.records_trained_total == 13_044
