@@ -171,6 +171,11 @@ class Run:
                                          for k, v in state.tensors["window"].items()})
             self.positions, self.epoch = state.positions, state.extra.get("epoch", 0)
             self.total_before = state.records_trained
+            was = state.extra.get("precision")
+            if was and was != self.trainer.precision:   # train.precision=auto on other hardware
+                print(f"stream-ctr: note: the checkpoint trained with {was} matmuls, this run uses "
+                      f"{self.trainer.precision} (train.precision={cfg.train.precision}); set "
+                      f"train.precision={was} to keep it", file=sys.stderr)
         run_dir = Path(cfg.train.run_dir)
         self.ckpt_dir = Path(cfg.train.checkpoint_dir or run_dir / "checkpoints")
         self.dead_letter = open_dead_letter(cfg, self.stream)     # a file, or the dead-letter topic
@@ -296,7 +301,8 @@ class Run:
                                 self.positions, self.cfg.to_dict(), tensors,
                                 {"epoch": self.epoch, "source": self.cfg.data.source,
                                  # what the scaling rule made of cfg.optim for this batch size
-                                 "resolved_optim": dataclasses.asdict(self.trainer.optim)})
+                                 "resolved_optim": dataclasses.asdict(self.trainer.optim),
+                                 "precision": self.trainer.precision})
         self.summary.checkpoint = str(save_checkpoint(self.ckpt_dir, state, self.cfg.train.keep_checkpoints))
         self.monitor.on_checkpoint(time.perf_counter() - t0, self.summary.checkpoint)
         if commit and self.stream is not None:

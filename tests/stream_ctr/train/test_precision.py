@@ -47,3 +47,19 @@ def test_bf16_scores_like_fp32_and_keeps_fp32_state(tmp_path):
                if torch.is_tensor(v) and v.dim() > 0)
     assert t16.store.weight.dtype == torch.float32
     assert p16[-1].dtype == torch.float32 and torch.isfinite(p16[-1]).all()
+
+
+def test_the_checkpoint_records_the_precision_and_a_resume_that_changes_it_says_so(tmp_path, capsys):
+    from stream_ctr.config import Config
+    from stream_ctr.train.checkpoint import load_checkpoint
+    from stream_ctr.train.loop import train
+    cfg = Config()
+    cfg.model.mlp_dims = (16,)
+    cfg.train.run_dir, cfg.train.threads = str(tmp_path / "run"), 1
+    cfg.data.limit_records, cfg.train.precision = 640, "bf16"
+    train(cfg, show_progress=False)
+    assert load_checkpoint(cfg.train.run_dir).extra["precision"] == "bf16"
+    cfg.train.precision = "fp32"
+    train(cfg, resume=cfg.train.run_dir, show_progress=False)
+    assert "trained with bf16 matmuls, this run uses fp32" in capsys.readouterr().err
+    assert load_checkpoint(cfg.train.run_dir).extra["precision"] == "fp32"
