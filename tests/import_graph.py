@@ -20,9 +20,10 @@ PACKAGE_DIRS = {"stream_ctr": "stream_ctr", "connectors": "stream_ctr.connectors
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("stream_ctr.__main__",),
     ("stream_ctr.cli",),
-    ("stream_ctr.bench", "stream_ctr.monitoring"),
+    ("stream_ctr.bench", "stream_ctr.monitoring", "stream_ctr.serving.commands"),
     ("stream_ctr.distributed",),
     ("stream_ctr.train",),
+    ("stream_ctr.serving",),       # bundles and scoring: below train, so a trainer can publish
     ("stream_ctr.store", "stream_ctr.telemetry", "stream_ctr.models"),
     ("stream_ctr.config", "stream_ctr.resources"),
     ("stream_ctr.connectors", "stream_ctr.ops", "stream_ctr.version"),

@@ -20,6 +20,8 @@ EPILOG = """examples:
   stream-ctr train criteo:data/day_0.gz --batch-size 65536 --scale-from 1024 --set optim.warmup_samples=500000
   stream-ctr train --resume runs/latest             # continue exactly where a run stopped
   stream-ctr eval runs/latest --json                # the run's held-out rows
+  stream-ctr export runs/latest --out bundle        # a serving bundle of the newest checkpoint
+  stream-ctr predict bundle --out probs.txt         # score the run's held-out rows with it
   stream-ctr synth /tmp/criteo_1m.tsv --records 1000000
   stream-ctr bench train --records 1000000
   stream-ctr train --cache-bytes 2GiB --ram-bytes 32GiB --disk-bytes 2TB --store-dir /ssd/emb
@@ -236,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_parser(sub, _add_common)
     from stream_ctr.cli.resources import add_resource_parsers
     add_resource_parsers(sub, _add_common)
+    from stream_ctr.serving.commands import add_serving_parsers
+    add_serving_parsers(sub, _add_common)
     _show_defaults(parser)
     return parser
 

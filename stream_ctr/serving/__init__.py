@@ -1,0 +1,15 @@
+"""Serving: the model a predictor loads, and the code that scores with it.
+
+    bundle     the serving bundle on disk: write it (sorted rows in chunks), read and
+               verify it (manifest, format version, checksums); no pickles
+    scorer     vectorized scoring of decoded batches with a loaded bundle: the one path
+               `stream-ctr predict` and a future HTTP server share
+    export     a checkpoint (in-memory table, or tiered rows in LMDB read generation-exact
+               in chunks) -> a bundle
+    commands   the `export` and `predict` subcommands (argument parsing, summaries)
+
+bundle, scorer and export may import store, models, config, connectors and ops
+(and torch, numpy), never train, distributed, bench or cli: scoring must not need
+the trainer. `commands` sits above train (tests/import_graph.py gives it its own
+layer) because it reads checkpoints and reports AUC with the trainer's metric code.
+"""

@@ -1,0 +1,154 @@
+"""`stream-ctr export` and `stream-ctr predict`: the bundle commands. Each returns
+(JSON summary, one line) for the CLI to print, as the benches do.
+
+This module sits above train in the layers (tests/import_graph.py): it reads
+checkpoints with the trainer's loader and reports AUC with the trainer's metric
+code. The scoring itself is `scorer.Scorer`, which needs none of that.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stream_ctr.config import Config, ConfigError
+from stream_ctr.connectors.files import SourceError, count_records, detect_format
+from stream_ctr.serving.bundle import read_bundle
+from stream_ctr.serving.export import export_bundle
+from stream_ctr.serving.scorer import PRECISIONS, Scorer, score_file
+
+EXPORT_EPILOG = """examples:
+  stream-ctr export --out bundles/ctr-v1                 # the newest checkpoint of runs/latest
+  stream-ctr export runs/20261125-130846-deepfm-criteo-sample/checkpoints/ckpt-00000120 --out b120"""
+
+PREDICT_EPILOG = """examples:
+  stream-ctr predict bundles/ctr-v1 --out probs.txt      # the run's held-out lines
+  stream-ctr predict bundles/ctr-v1 criteo:day_1.gz --out day_1.npy --stop 1000000"""
+
+
+def add_serving_parsers(sub: argparse._SubParsersAction, add_common) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser("export", help="write a serving bundle (dense weights, sorted rows, manifest) "
+                       "of a checkpoint", epilog=EXPORT_EPILOG, formatter_class=fmt,
+                       description="Write a self-contained, versioned serving bundle of a run's "
+                       "checkpoint: the dense weights as plain tensors (torch.load weights_only), "
+                       "the embedding rows as sorted keys.npy + rows.npy (weights and linear "
+                       "column; no Adam moments), and manifest.json (model config, record format, "
+                       "the checkpoint's step and source positions, precision, checksums). A "
+                       "tiered store's LMDB table is read in chunks, never whole.")
+    p.add_argument("run_dir", nargs="?", default="runs/latest",
+                   help="run directory, checkpoint root or checkpoint directory (default: runs/latest)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="the bundle directory to write; must be new or empty")
+    add_common(p)
+    p.set_defaults(func=cmd_export)
+
+    q = sub.add_parser("predict", help="score a file offline with a serving bundle",
+                       epilog=PREDICT_EPILOG, formatter_class=fmt,
+                       description="Score records of a file with a bundle (the scoring code a "
+                       "predict server uses) and write one click probability per record: text, "
+                       "one per line, or float32 .npy when FILE ends in .npy. The summary line "
+                       "gives AUC and logloss (the files carry labels).")
+    q.add_argument("bundle", help="bundle directory (stream-ctr export)")
+    q.add_argument("source", nargs="?", help="criteo:PATH, avazu:PATH, a path, or criteo:sample / "
+                   "avazu:sample (default: the bundle's run's own source, and then only its "
+                   "held-out lines)")
+    q.add_argument("--out", required=True, metavar="FILE", help="where the probabilities go "
+                   "(.npy: float32 array; else text, one per line)")
+    q.add_argument("--all", action="store_true", help="score every record of the source, also "
+                   "those the run trained on")
+    q.add_argument("--start", type=int, default=None, help="first data-line offset to score "
+                   "(default: where the run's held-out lines start; 0 with --all or another source)")
+    q.add_argument("--stop", type=int, default=None, help="stop before this data-line offset "
+                   "(default: the end of the source)")
+    q.add_argument("--device", default="cpu", help="torch device to score on")
+    q.add_argument("--precision", choices=PRECISIONS, default=None, help="the dense model's matmuls "
+                   "(default: the bundle's, the precision its run trained and tested in)")
+    q.add_argument("--chunk-records", type=int, default=65536, help="records decoded and scored at a time")
+    add_common(q)
+    q.set_defaults(func=cmd_predict)
+
+
+def cmd_export(args: argparse.Namespace) -> tuple[dict, str]:
+    from stream_ctr.distributed.job_checkpoint import find_job, is_job, load_any
+    from stream_ctr.train.checkpoint import resolve_checkpoint
+    from stream_ctr.train.precision import resolve_precision
+    from stream_ctr.train.streaming import source_format
+    from stream_ctr.train.trainer import resolve_device
+    state = load_any(args.run_dir)
+    where = find_job(args.run_dir) if is_job(args.run_dir) else resolve_checkpoint(args.run_dir)
+    cfg = Config.from_dict(state.config, origin=f"{args.run_dir} (checkpoint config)")
+    try:
+        device = resolve_device(cfg.train.device)
+    except ConfigError:             # trained on a GPU this machine lacks
+        device = torch.device("cuda")
+    precision = (resolve_precision(cfg.train.precision, device) if device.type != "cuda" or
+                 torch.cuda.is_available() else ("fp32" if cfg.train.precision == "fp32" else "bf16"))
+    checkpoint = {"path": str(Path(where).resolve()), "name": Path(where).name, "step": state.step,
+                  "records_trained": state.records_trained, "epoch": state.extra.get("epoch", 0),
+                  # the offsets after the last trained record ({} once a file's last pass ended)
+                  "positions": state.positions}
+    manifest = export_bundle(state.tensors, state.config, args.out, source_format(cfg), checkpoint,
+                             precision, held_out_lines(cfg))
+    rows = manifest["rows"]["count"]
+    return ({"bundle": str(args.out), "checkpoint": checkpoint["path"], "step": state.step,
+                "rows": rows, "precision": precision, "files": manifest["files"]},
+         f"exported {Path(where).name} (step {state.step:,}, {state.records_trained:,} records "
+         f"trained) with {rows:,} embedding rows to {args.out}")
+
+
+def held_out_lines(cfg: Config) -> dict | None:
+    """The run's held-out lines ({"source", "start", "stop"}) if it held some out of a
+    file that is still there; else None."""
+    from stream_ctr.train.loop import held_out_start
+    if cfg.data.holdout_fraction <= 0 or "://" in cfg.data.source:
+        return None
+    try:
+        fmt, path = detect_format(cfg.data.source)
+        n = count_records(path, fmt)
+    except SourceError:             # the run's file is gone or moved
+        return None
+    return {"source": cfg.data.source, "path": str(path.resolve()),
+            "start": held_out_start(n, cfg.data.holdout_fraction), "stop": n}
+
+
+def _lines(args: argparse.Namespace, run: dict, path: Path) -> tuple[int, int | None, str]:
+    """(start, stop, which rows) to score, as `stream-ctr eval` picks them."""
+    held = run.get("held_out")
+    if args.start is not None or args.stop is not None:
+        return args.start or 0, args.stop, "the given range"
+    if args.all or held is None or Path(held["path"]) != path.resolve():
+        return 0, None, "all records"
+    return held["start"], held["stop"], f"the run's held-out last {run['holdout_fraction']:g}"
+
+
+def cmd_predict(args: argparse.Namespace) -> tuple[dict, str]:
+    from stream_ctr.train.evaluation import accuracy
+    bundle = read_bundle(args.bundle)
+    scorer = Scorer(bundle, args.device, args.precision)
+    run = bundle.manifest["run"]
+    source = args.source or run["source"]
+    if "://" in source:
+        raise ConfigError(f"the bundle's run trained on a stream ({source}); name a file to score: "
+                          "stream-ctr predict BUNDLE criteo:PATH --out FILE")
+    fmt, path = detect_format(source)
+    if fmt.name != bundle.manifest["record_format"]["name"]:
+        raise ConfigError(f"the bundle's model takes {bundle.manifest['record_format']['name']} records, "
+                          f"{source} holds {fmt.name}")
+    start, stop, rows = _lines(args, run, path)
+    probs, labels, rejected = score_file(scorer, path, fmt, start, stop, args.chunk_records)
+    out = Path(args.out)
+    if out.suffix == ".npy":
+        np.save(out, probs.astype(np.float32))
+    else:
+        np.savetxt(out, probs, fmt="%.9g")          # 9 digits: the exact float32
+    acc = accuracy(probs, labels).as_dict() if len(probs) else {}
+    end = stop if stop is not None else start + len(probs) + rejected
+    summary = {"bundle": str(bundle.path), "model_version": scorer.version, "source": source,
+               "start": start, "stop": end, "rows": rows, "records": int(len(probs)),
+               "rejected": rejected, "precision": scorer.precision, "out": str(out), **acc}
+    metrics = (f"AUC {acc['auc']:.6f} logloss {acc['logloss']:.6f} on " if acc else "")
+    return (summary, f"{metrics}{len(probs):,} records ({rejected:,} rejected): {rows}, lines "
+         f"{start:,}-{end:,} of {source}; model {scorer.version}; probabilities in {out}")

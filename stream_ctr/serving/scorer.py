@@ -1,0 +1,117 @@
+"""Scoring with a bundle: decoded batches -> click probabilities, vectorized.
+
+The path of one batch is the trainer's `predict`, step for step, so the numbers
+are the same bit for bit (tests/stream_ctr/serving/test_export_predict.py):
+unique keys (`torch.unique`), their rows (binary search in the bundle's sorted
+keys; an absent key gets its initial row from `init_rows`, as `store.peek`
+does), the gather, the model's forward in eval mode under the bundle's
+precision (bf16 autocast or none), sigmoid. No Python loop over records.
+`stream-ctr predict` and a future HTTP server share this class.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stream_ctr.config import ModelConfig
+from stream_ctr.connectors.batch import Batch
+from stream_ctr.connectors.files import FileSource
+from stream_ctr.connectors.formats import RecordFormat
+from stream_ctr.models.networks import build_model
+from stream_ctr.ops.embedding_gather import gather_rows
+from stream_ctr.serving.bundle import Bundle, BundleError, model_config_fields
+from stream_ctr.store.embedding import init_rows
+
+PRECISIONS = ("fp32", "bf16")
+
+
+class Scorer:
+    """A bundle's model, ready to score batches of its record format."""
+
+    def __init__(self, bundle: Bundle, device: str | torch.device = "cpu",
+                 precision: str | None = None) -> None:
+        m = bundle.manifest
+        self.bundle = bundle
+        self.device = torch.device(device)
+        self.precision = precision or m["precision"]
+        if self.precision not in PRECISIONS:
+            raise BundleError(f"{bundle.path}: precision {self.precision!r} is not one of {PRECISIONS}")
+        self.model_cfg = ModelConfig(**model_config_fields(m))
+        self.n_fields, self.n_dense = int(m["n_fields"]), int(m["n_dense"])
+        self.dim = self.model_cfg.embed_dim
+        self.seed, self.init_std = int(m["init"]["seed"]), float(m["init"]["init_std"])
+        if bundle.rows.shape[1] != self.dim + 1:
+            raise BundleError(f"{bundle.path}: rows have {bundle.rows.shape[1]} columns, "
+                              f"model.embed_dim {self.dim} needs {self.dim + 1}")
+        self.model = build_model(self.model_cfg, self.n_fields, self.n_dense)
+        try:
+            self.model.load_state_dict(bundle.dense)
+        except RuntimeError as e:
+            raise BundleError(f"{bundle.path}/dense.pt does not fit the manifest's model: "
+                              f"{str(e).splitlines()[0]}") from None
+        self.model.to(self.device).eval()
+
+    @property
+    def version(self) -> str:
+        return self.bundle.version
+
+    def rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """Rows [U, dim + 1] for sorted unique keys [U]: the bundle's, else the initial row."""
+        k = keys.cpu().numpy()
+        table = self.bundle.keys
+        found = np.zeros(len(k), dtype=bool)
+        pos = np.zeros(len(k), dtype=np.int64)
+        if len(table):
+            pos = np.searchsorted(table, k).clip(max=len(table) - 1)
+            found = np.asarray(table[pos]) == k
+        out = np.empty((len(k), self.dim + 1), dtype=np.float32)
+        out[found] = self.bundle.rows[pos[found]]        # ascending positions: sequential pages
+        rows = torch.from_numpy(out).to(self.device)
+        absent = torch.from_numpy(~found).to(self.device)
+        if bool(absent.any()):
+            rows[absent] = init_rows(keys[absent], self.dim, self.init_std, self.seed)
+        return rows
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def score(self, batch: Batch) -> np.ndarray:
+        """Click probabilities float32 [B] of a decoded batch."""
+        if batch.n_fields != self.n_fields or batch.n_dense != self.n_dense:
+            raise BundleError(f"records with {batch.n_fields} key and {batch.n_dense} dense fields, "
+                              f"the bundle's model takes {self.n_fields} and {self.n_dense} "
+                              f"({self.bundle.manifest['record_format']['name']} records)")
+        b = len(batch)
+        dense = torch.from_numpy(batch.dense).to(self.device)
+        keys = torch.from_numpy(batch.keys).to(self.device).view(-1)
+        uniq, inverse = torch.unique(keys, return_inverse=True)
+        rows = self.rows(uniq)
+        d = self.dim
+        emb = gather_rows(rows[:, :d].contiguous(), inverse).view(b, self.n_fields, d)
+        lin = rows[:, d][inverse].view(b, self.n_fields)
+        with self._autocast():
+            logits = self.model(emb, lin, dense)
+        return torch.sigmoid(logits.float()).cpu().numpy()
+
+
+def score_file(scorer: Scorer, path: str | Path, fmt: RecordFormat, start: int = 0,
+               stop: int | None = None, chunk_records: int = 65536) -> tuple[np.ndarray, np.ndarray, int]:
+    """(probabilities, labels, rejected lines) of data lines [start, stop) of a file.
+    Lines that do not decode are skipped (and counted), as training skips them."""
+    probs, labels, rejected = [], [], 0
+    with FileSource(path, fmt, start_offset=start, chunk_records=chunk_records, stop_offset=stop) as src:
+        while not src.exhausted:
+            chunk, bad = src.read()
+            rejected += len(bad)
+            if len(chunk):
+                probs.append(scorer.score(chunk))
+                labels.append(chunk.labels)
+    if not probs:
+        return np.zeros(0, np.float32), np.zeros(0, np.float32), rejected
+    return np.concatenate(probs), np.concatenate(labels), rejected
