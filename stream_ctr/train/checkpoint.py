@@ -174,6 +174,15 @@ def _prune(root: Path, keep: int, current: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def holds_checkpoint(path: str | Path) -> bool:
+    """Whether `path` (a checkpoint, a checkpoint root or a run directory) has a
+    checkpoint to resume, good or bad; False for a missing or checkpoint-less directory."""
+    p = Path(path)
+    markers = ("manifest.json", "LATEST", "checkpoints/LATEST", "LATEST_JOB", "job.json",
+               "checkpoints/LATEST_JOB", "checkpoints/job.json")
+    return any((p / m).exists() for m in markers)
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory itself, or the one LATEST names inside a checkpoint root."""
     p = Path(path)

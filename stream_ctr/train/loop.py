@@ -18,10 +18,11 @@ import torch
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.files import FileSource, count_records, detect_format
 from stream_ctr.connectors.read_ahead import ReadAhead
-from stream_ctr.train.checkpoint import CheckpointState, load_checkpoint, resolve_checkpoint, save_checkpoint
+from stream_ctr.train.checkpoint import (CheckpointState, holds_checkpoint, load_checkpoint, resolve_checkpoint,
+                                         save_checkpoint)
 from stream_ctr.config import Config, ConfigError, describe_optim, validate
 from stream_ctr.train.evaluation import Accuracy, PrequentialWindow, accuracy
-from stream_ctr.train.run_dir import choose_run_dir, point_latest
+from stream_ctr.train.run_dir import choose_run_dir, point_latest, run_dir_of, set_aside_attempt
 from stream_ctr.telemetry.monitor import RunMonitor
 from stream_ctr.telemetry.progress import Progress
 from stream_ctr.train.batches import LookAhead, StopSignal, micro_batches
@@ -350,6 +351,15 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
     signal, at the limit, or after `kafka.stop_when_idle_s` without records,
     and commits the group's offsets after every checkpoint.
     """
+    if resume is not None and not holds_checkpoint(resume):
+        # A supervisor restarts with the same command line (--resume DIR) whether or
+        # not the first attempt lived to write a checkpoint: without one, start over.
+        run_dir = Path(cfg.train.run_dir) if cfg.train.run_dir else run_dir_of(resume)
+        aside = set_aside_attempt(run_dir)
+        print(f"stream-ctr: no checkpoint in {resume} yet: starting a new run in {run_dir}"
+              + (f" (the earlier attempt's time series moved to {aside})" if aside else ""),
+              file=sys.stderr, flush=True)
+        cfg.train.run_dir, resume = str(run_dir), None
     cfg.train.run_dir = str(choose_run_dir(cfg, resume))
     run = Run(cfg, resume)
     point_latest(Path(cfg.train.run_dir))

@@ -93,3 +93,20 @@ def point_latest(run_dir: Path) -> None:
         os.replace(tmp, link)               # atomic: readers see the old or the new run
     except OSError:                         # no symlinks here (some filesystems): skip
         tmp.unlink(missing_ok=True)
+
+
+def set_aside_attempt(run_dir: Path, now_s: float | None = None) -> Path | None:
+    """A `--resume` of a run directory without a checkpoint (the run was killed before
+    its first): the time series of that attempt, which no model state carries on,
+    moves to `RUN_DIR/no-checkpoint-<UTC time>/`, so the new start is one run and its
+    report shows it alone. Returns that folder (None when there was nothing to move)."""
+    series = sorted(run_dir.glob("timeseries*.jsonl*")) if run_dir.is_dir() else []
+    if not series:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now_s is None else now_s))
+    aside = run_dir / f"no-checkpoint-{stamp}"
+    aside.mkdir(exist_ok=True)
+    for path in series:
+        path.rename(aside / path.name)
+    return aside
+

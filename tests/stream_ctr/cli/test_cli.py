@@ -40,7 +40,6 @@ def test_every_option_with_a_default_shows_it():
     (["train", "parquet:/tmp/x"], "parquet", 3),
     (["train", "--set", "model.name=xgboost"], "model.name", 2),         # usage
     (["train", "--batch-size", "0"], "data.batch_size", 2),
-    (["train", "--resume", "/no/such/run"], "no checkpoint", 4),         # checkpoint / store
     (["eval", "/no/such/run", "criteo:sample"], "no checkpoint", 4),
 ])
 def test_user_errors_are_one_clear_line(args, needle, code, tmp_path):

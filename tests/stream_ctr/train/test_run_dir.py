@@ -74,3 +74,35 @@ def test_choose_run_dir_rules(tmp_path, monkeypatch):
 ])
 def test_source_slug(source, slug):
     assert source_slug(source) == slug
+
+
+def test_resume_of_a_run_without_a_checkpoint_starts_it_and_the_same_line_then_continues(tmp_path, capsys):
+    """A supervisor's one command line: `--resume DIR` before any checkpoint exists
+    (never started, or killed before its first) starts the run; afterwards it resumes."""
+    from stream_ctr.config import Config
+    from stream_ctr.train.checkpoint import load_checkpoint
+    from stream_ctr.train.loop import train
+    run_dir = tmp_path / "runs" / "clicks"
+
+    def cfg(limit):
+        c = Config()
+        c.model.mlp_dims = (16,)
+        c.train.threads, c.data.limit_records = 1, limit
+        return c
+
+    first = train(cfg(640), resume=str(run_dir), show_progress=False)      # DIR does not exist
+    assert "no checkpoint in" in capsys.readouterr().err
+    assert first.records_trained_total == 640 and load_checkpoint(run_dir).records_trained == 640
+    second = train(cfg(640), resume=str(run_dir), show_progress=False)     # the same line again
+    assert second.records_trained_total == 1280 and "no checkpoint" not in capsys.readouterr().err
+
+    # Killed before its first checkpoint: a time series, no checkpoint. Its series moves aside.
+    other = tmp_path / "runs" / "killed"
+    other.mkdir()
+    (other / "timeseries.jsonl").write_text('{"kind":"start","t":1,"records":0}\n')
+    third = train(cfg(320), resume=str(other), show_progress=False)
+    assert third.records_trained_total == 320
+    (aside,) = other.glob("no-checkpoint-*")
+    assert (aside / "timeseries.jsonl").read_text().startswith('{"kind":"start","t":1')
+    starts = [line for line in (other / "timeseries.jsonl").read_text().splitlines() if '"start"' in line]
+    assert len(starts) == 1
