@@ -7,6 +7,7 @@ One package, one subpackage per job; imports flow one way, top to bottom
     bench/        `stream-ctr bench ...`: measurements; nothing in the core imports them
     distributed/  several replicas: process group, k-step merges, sharded rows, job checkpoints
     train/        the run: batches, trainer step, streaming, checkpoints, evaluation
+    serving/      serving bundles (export) and the scorer `predict` and a server share
     store/        where embedding rows live (one table, or device cache + RAM + LMDB)
     telemetry/    Prometheus metrics, scrape-time collectors, time series, report, progress
     models/       DeepFM, W&D, DCN, DCNv2 on gathered embedding rows

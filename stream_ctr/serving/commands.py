@@ -11,7 +11,6 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from stream_ctr.config import Config, ConfigError
 from stream_ctr.connectors.files import SourceError, count_records, detect_format
@@ -74,18 +73,13 @@ def add_serving_parsers(sub: argparse._SubParsersAction, add_common) -> None:
 def cmd_export(args: argparse.Namespace) -> tuple[dict, str]:
     from stream_ctr.distributed.job_checkpoint import find_job, is_job, load_any
     from stream_ctr.train.checkpoint import resolve_checkpoint
-    from stream_ctr.train.precision import resolve_precision
     from stream_ctr.train.streaming import source_format
-    from stream_ctr.train.trainer import resolve_device
     state = load_any(args.run_dir)
     where = find_job(args.run_dir) if is_job(args.run_dir) else resolve_checkpoint(args.run_dir)
     cfg = Config.from_dict(state.config, origin=f"{args.run_dir} (checkpoint config)")
-    try:
-        device = resolve_device(cfg.train.device)
-    except ConfigError:             # trained on a GPU this machine lacks
-        device = torch.device("cuda")
-    precision = (resolve_precision(cfg.train.precision, device) if device.type != "cuda" or
-                 torch.cuda.is_available() else ("fp32" if cfg.train.precision == "fp32" else "bf16"))
+    # What the run trained and tested in: recorded in its checkpoints; resolved the way the
+    # trainer resolves train.precision for older checkpoints that lack it.
+    precision = state.extra.get("precision") or _resolved_precision(cfg)
     checkpoint = {"path": str(Path(where).resolve()), "name": Path(where).name, "step": state.step,
                   "records_trained": state.records_trained, "epoch": state.extra.get("epoch", 0),
                   # the offsets after the last trained record ({} once a file's last pass ended)
@@ -94,9 +88,18 @@ def cmd_export(args: argparse.Namespace) -> tuple[dict, str]:
                              precision, held_out_lines(cfg))
     rows = manifest["rows"]["count"]
     return ({"bundle": str(args.out), "checkpoint": checkpoint["path"], "step": state.step,
-                "rows": rows, "precision": precision, "files": manifest["files"]},
-         f"exported {Path(where).name} (step {state.step:,}, {state.records_trained:,} records "
-         f"trained) with {rows:,} embedding rows to {args.out}")
+             "rows": rows, "precision": precision, "files": manifest["files"]},
+            f"exported {Path(where).name} (step {state.step:,}, {state.records_trained:,} records "
+            f"trained) with {rows:,} embedding rows to {args.out}")
+
+
+def _resolved_precision(cfg: Config) -> str:
+    from stream_ctr.train.precision import resolve_precision
+    from stream_ctr.train.trainer import resolve_device
+    try:
+        return resolve_precision(cfg.train.precision, resolve_device(cfg.train.device))
+    except ConfigError:             # trained on a GPU this machine lacks: bf16 unless fp32 was asked
+        return "fp32" if cfg.train.precision == "fp32" else "bf16"
 
 
 def held_out_lines(cfg: Config) -> dict | None:
@@ -117,6 +120,8 @@ def held_out_lines(cfg: Config) -> dict | None:
 def _lines(args: argparse.Namespace, run: dict, path: Path) -> tuple[int, int | None, str]:
     """(start, stop, which rows) to score, as `stream-ctr eval` picks them."""
     held = run.get("held_out")
+    if (args.start or 0) < 0 or (args.stop is not None and args.stop < (args.start or 0)):
+        raise ConfigError(f"--start {args.start} / --stop {args.stop}: need 0 <= start <= stop")
     if args.start is not None or args.stop is not None:
         return args.start or 0, args.stop, "the given range"
     if args.all or held is None or Path(held["path"]) != path.resolve():
@@ -145,10 +150,10 @@ def cmd_predict(args: argparse.Namespace) -> tuple[dict, str]:
     else:
         np.savetxt(out, probs, fmt="%.9g")          # 9 digits: the exact float32
     acc = accuracy(probs, labels).as_dict() if len(probs) else {}
-    end = stop if stop is not None else start + len(probs) + rejected
+    end = start + len(probs) + rejected             # the lines read: up to stop, or the end
     summary = {"bundle": str(bundle.path), "model_version": scorer.version, "source": source,
                "start": start, "stop": end, "rows": rows, "records": int(len(probs)),
                "rejected": rejected, "precision": scorer.precision, "out": str(out), **acc}
     metrics = (f"AUC {acc['auc']:.6f} logloss {acc['logloss']:.6f} on " if acc else "")
     return (summary, f"{metrics}{len(probs):,} records ({rejected:,} rejected): {rows}, lines "
-         f"{start:,}-{end:,} of {source}; model {scorer.version}; probabilities in {out}")
+                     f"{start:,}-{end:,} of {source}; model {scorer.version}; probabilities in {out}")

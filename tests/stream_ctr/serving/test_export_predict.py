@@ -82,6 +82,12 @@ def test_predict_equals_trainer_predict_and_the_runs_test_auc(memory_run, capsys
     assert probs.shape == reference.shape == (1449,)
     assert np.abs(probs - reference).max() <= 1e-6
     assert np.array_equal(probs, reference)                  # in fact bit for bit
+    # ... including the held-out keys the run never trained: their initial rows are recomputed.
+    from stream_ctr.connectors.files import FileSource
+    with FileSource(path, fmt, start_offset=start) as src:
+        held_keys = np.unique(src.read()[0].keys)
+    unseen = ~np.isin(held_keys, read_bundle(tmp / "bundle").keys)
+    assert unseen.sum() > 1000
     assert abs(out["auc"] - summary.test["auc"]) <= 1e-6
     assert abs(out["logloss"] - summary.test["logloss"]) <= 1e-6
     # Text output: one probability per line, the same float32 values.
