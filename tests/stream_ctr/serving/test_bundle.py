@@ -116,3 +116,9 @@ def test_scoring_does_not_import_the_trainer():
             todo += sorted(graph.get(m, ()))
     bad = [m for m in seen if m.split(".")[1:2] and m.split(".")[1] in ("train", "distributed", "bench", "cli")]
     assert bad == []
+
+
+def test_records_of_another_format_are_refused_by_name(bundle_dir, tmp_path, capsys):
+    code = main(["predict", str(bundle_dir), "avazu:sample", "--out", str(tmp_path / "p.txt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "criteo records" in err[0] and "avazu" in err[0], err
