@@ -10,6 +10,7 @@
 
 bundle, scorer and export may import store, models, config, connectors and ops
 (and torch, numpy), never train, distributed, bench or cli: scoring must not need
-the trainer. `commands` sits above train (tests/import_graph.py gives it its own
-layer) because it reads checkpoints and reports AUC with the trainer's metric code.
+the trainer. The package sits below train (a trainer may publish bundles later);
+`commands` alone sits above it, beside bench (tests/import_graph.py), because it
+reads checkpoints and reports AUC with the trainer's metric code.
 """
