@@ -147,7 +147,8 @@ def _show_config_defaults(parser: argparse.ArgumentParser) -> None:
 
 def _eval_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="score a file with a checkpoint: AUC, logloss, calibration")
-    p.add_argument("checkpoint", help="checkpoint directory, checkpoint root or run dir")
+    p.add_argument("checkpoint", nargs="?", default="runs/latest",
+                   help="checkpoint directory, checkpoint root or run dir (default: runs/latest)")
     p.add_argument("source", nargs="?", help="criteo:PATH, avazu:PATH, or a path (default: the "
                    "run's own source, and then only its held-out rows)")
     p.add_argument("--all", action="store_true", help="score every record of the source, also "
@@ -210,7 +211,8 @@ def _report_parser(sub: argparse._SubParsersAction) -> None:
                        description="Read RUN_DIR/timeseries.jsonl (written while training) and write "
                                    "AUC/logloss, throughput, lag and tier hit-ratio plots plus "
                                    "index.html into RUN_DIR/report (or --out).")
-    p.add_argument("run_dir", help="run directory, or a checkpoint directory inside one")
+    p.add_argument("run_dir", nargs="?", default="runs/latest",
+                   help="run directory, or a checkpoint directory inside one (default: runs/latest)")
     p.add_argument("--out", help="output directory (default RUN_DIR/report)")
     _add_common(p)
     p.set_defaults(func=cmd_report)

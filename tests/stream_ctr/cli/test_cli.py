@@ -22,6 +22,14 @@ def test_help_reads_well():
     assert "STREAM_CTR_CONFIG" in run("train", "--help").stdout
 
 
+def test_report_eval_and_export_default_to_the_newest_run():
+    from stream_ctr.cli.main import build_parser
+    parser = build_parser()
+    assert parser.parse_args(["report"]).run_dir == "runs/latest"
+    assert parser.parse_args(["eval"]).checkpoint == "runs/latest"
+    assert parser.parse_args(["export", "--out", "b"]).run_dir == "runs/latest"
+
+
 def test_every_option_with_a_default_shows_it():
     import argparse
     from stream_ctr.cli.main import build_parser, _subparsers
