@@ -45,25 +45,22 @@ class ReadAhead:
     def _produce(self) -> None:
         try:
             while not self._closing.is_set() and not self.source.exhausted:
-                item = self.source.read()
-                while not self._closing.is_set():
-                    try:
-                        self._chunks.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                if not self._put(self.source.read()):
+                    return
         except BaseException as exc:       # handed to the consumer, raised on its thread
-            self._put_final(exc)
+            self._put(exc)
             return
-        self._put_final(_END)
+        self._put(_END)
 
-    def _put_final(self, item: object) -> None:
+    def _put(self, item: object) -> bool:
+        """Queue `item`, waiting for room unless `close()` is called (then False)."""
         while not self._closing.is_set():
             try:
                 self._chunks.put(item, timeout=0.1)
-                return
+                return True
             except queue.Full:
                 continue
+        return False
 
     def read(self) -> tuple[Batch, list]:
         """The next decoded chunk and its rejected lines (empty at the end)."""
