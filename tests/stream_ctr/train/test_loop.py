@@ -111,7 +111,8 @@ def test_resume_from_corrupt_checkpoint_fails_clearly(tmp_path):
     (tmp_path / "run" / "checkpoints" / "ckpt-00000002" / "tensors.pt").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="checksum"):
         train(cfg, resume=cfg.train.run_dir, show_progress=False)
-    with pytest.raises(CheckpointError, match="no checkpoint"):
+    # No checkpoint at the resume path: a new run, which --run-dir's existing run refuses.
+    with pytest.raises(ConfigError, match="already holds a run"):
         train(cfg, resume=str(tmp_path / "nowhere"), show_progress=False)
 
 
