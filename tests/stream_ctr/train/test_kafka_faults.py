@@ -151,7 +151,7 @@ def test_a_second_consumer_joins_and_leaves_every_record_trained_once(kafka, tmp
         wait_for(lambda: len(trained_rows(log_a)) >= 640, 60, "the first trainer to start")
         b = trainer("slow", 150, str(log_b), train_args(url, tmp_path / "b", "--checkpoint-every", "5",
                                                         *extra))
-        wait_for(lambda: len(trained_rows(log_b)) >= 320, 60, "the second trainer to get partitions")
+        wait_for(lambda: len(trained_rows(log_b)) >= 320, 150, "the second trainer to get partitions")
         b.send_signal(signal.SIGTERM)                 # finishes its batch, checkpoints, commits, leaves
         out_b, err_b = b.communicate(timeout=60)
         out_a, err_a = a.communicate(timeout=120)
