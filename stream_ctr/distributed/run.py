@@ -298,12 +298,7 @@ class DistributedRun(Run):
         else:
             result = self.trainer.train_step(batch)
             self.store.settle()           # a skipped (non-finite) step still answers the owners
-            t_eval = time.perf_counter()
-            self.record(batch, result)
-            interval = self.monitor.interval_due()     # a time-series record: exact accuracy
-            acc = self.window.window() if interval else self.window.latest()
-            result.phase_s["eval"] = time.perf_counter() - t_eval
-            self.monitor.on_batch(batch, result, acc, interval)
+            self.record_and_report(batch, result)
             trained = 0 if bool(result.skipped) else len(batch)   # its dense state did not move
         self.global_step += 1
         self.trainer.step = self.global_step     # what the rank checkpoints: the same everywhere
@@ -452,7 +447,6 @@ def train_distributed(cfg: Config, resume: str | None = None,
                     progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss)
                 if rebalanced or (anyone_has and every and run.global_step % every == 0):
                     run.checkpoint()
-            run.monitor.metrics.observe_accuracy(run.window.window().as_dict())   # the last interval: exact
             progress.close()
             run.checkpoint()
         return run.finish(progress.elapsed_s())

@@ -69,14 +69,14 @@ class RunMonitor:
         should be computed now, not the last cached one)."""
         return self.series is not None and self.series.due()
 
-    def on_batch(self, batch: Any, result: Any, accuracy: Any, interval: bool | None = None) -> None:
+    def on_batch(self, batch: Any, result: Any, accuracy: Any, interval: bool) -> None:
         """A batch was stepped (`trainer.StepResult`); `accuracy` is the window after it.
         `interval`: whether to write a time-series record now (the caller's
-        `interval_due()`, asked before computing `accuracy` for it); None asks here."""
+        `interval_due()`, asked before computing `accuracy` for it)."""
         self.metrics.observe_batch(len(batch), bool(result.skipped), result.phase_s,
                                    int(result.rows_clipped), batch.event_time_ms,
                                    accuracy.as_dict(), int(result.rows_touched), result.clip_ratio())
-        if self.series is not None and (self.series.due() if interval is None else interval):
+        if self.series is not None and interval:
             self.series.append_interval(self.metrics.snapshot())
 
     def on_checkpoint(self, seconds: float, path: str | Path) -> None:

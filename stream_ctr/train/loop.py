@@ -247,6 +247,17 @@ class Run:
         if self.remaining > 0:
             self.remaining -= len(batch)
 
+    def record_and_report(self, batch: Batch, result) -> Accuracy:
+        """`record` the batch, then report it to the monitor with the window's accuracy:
+        exact when a time-series record is due, else the cached one (the `eval` phase)."""
+        t0 = time.perf_counter()
+        self.record(batch, result)
+        interval = self.monitor.interval_due()
+        acc = self.window.window() if interval else self.window.latest()
+        result.phase_s["eval"] = time.perf_counter() - t0
+        self.monitor.on_batch(batch, result, acc, interval)
+        return acc
+
     def end_epoch(self, source: FileSource, completed: bool) -> None:
         """After a pass over the source. `completed`: its batches ran out (every one was
         trained), as opposed to a stop signal ending the pass -- never read off the
@@ -325,6 +336,7 @@ class Run:
         s.records_trained_total = self.total_before + s.records_trained
         s.samples_per_s = s.records_trained / max(seconds, 1e-9)
         s.window = self.window.window().as_dict()
+        self.monitor.metrics.observe_accuracy(s.window)       # the last interval: exact
         s.clipped_row_fraction = self.rows_clipped / max(self.rows_touched, 1)
         s.floor_row_fraction = self.rows_at_floor / max(self.rows_touched, 1)
         s.clip_ratio = self.monitor.metrics.clip_ratio.summary()
@@ -385,12 +397,7 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
                     # Step: its forward pass scores the batch before the update (prequential).
                     result = run.trainer.train_step(batch, upcoming)
                     # Evaluate and advance the resume point past this batch.
-                    t_eval = time.perf_counter()
-                    run.record(batch, result)
-                    interval = run.monitor.interval_due()      # a time-series record: exact accuracy
-                    acc = run.window.window() if interval else run.window.latest()
-                    result.phase_s["eval"] = time.perf_counter() - t_eval
-                    run.monitor.on_batch(batch, result, acc, interval)
+                    acc = run.record_and_report(batch, result)
                     progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss,
                                     window=run.window_label())
                     if every and run.summary.batches % every == 0:
@@ -401,7 +408,6 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
                     completed = True
             run.end_epoch(source, completed)
         acc = run.window.window()
-        run.monitor.metrics.observe_accuracy(acc.as_dict())     # the last interval: exact
         progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss, force=True,
                         window=run.window_label())
         progress.close()

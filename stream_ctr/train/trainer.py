@@ -106,7 +106,6 @@ class Trainer:
         warm = self.optim.warmup_samples
         return self.optim.lr_dense * (min(1.0, step * self.optim.batch_size / warm) if warm > 0 else 1.0)
 
-    @torch.no_grad()
     def _init_bias(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         """Output bias <- the shift that makes the first batch's mean prediction its
         click rate (Laplace-smoothed), so the model starts at the base rate
@@ -116,7 +115,7 @@ class Trainer:
         # Laplace-smoothed: a tiny first batch (a stream flushed on its latency budget)
         # with no click must not start the model at p = 1e-4.
         ctr = (labels.float().sum() + 1) / (labels.numel() + 2)
-        z = logits.detach().float()
+        z = logits
         shift = torch.log(ctr / (1 - ctr)) - z.mean()
         for _ in range(50):
             p = torch.sigmoid(z + shift)
@@ -181,8 +180,8 @@ class Trainer:
             self.store.prefetch(self._next[1][0])
         rows = self.store.weight[slots].requires_grad_()
         if self.step == 0 and self.optim.init_bias_from_data and b:
-            with torch.no_grad():
-                self._init_bias(self._forward(rows.detach(), inverse, b, dense), labels)
+            with torch.no_grad():          # the forward and the in-place bias update
+                self._init_bias(self._forward(rows, inverse, b, dense), labels)
         t1 = self._clock()
 
         # Forward on the pre-update weights (these are the prequential scores), backward.
