@@ -5,6 +5,10 @@
     hashing       64-bit feature signs of (field, token)
     decode        vectorized numpy line decoder; decode_jit its compiled twin;
                   decode_tables what both share
+    schema        a declared feature schema (TOML): field kinds, validation
+    schema_decode JSON lines / delimited text under a schema -> Batch;
+                  schema_columns its per-kind vectorized converters;
+                  schema_builtin Criteo and Avazu in the schema language
     files         file sources (plain or gzip), bundled samples
     read_ahead    a source decoded on a background thread, a bounded queue ahead
     dead_letter   where records that did not decode go

@@ -110,5 +110,7 @@ class Rejected:
     """A record that did not decode. It is dead-lettered, never dropped silently."""
     partition: str
     offset: int
-    reason: str          # a short fixed token: field_count, bad_label, bad_integer, ...
+    reason: str          # a short token: field_count, bad_label, ...; schema decoders name the
+                         # field: missing:FIELD, bad_value:FIELD
     raw: bytes
+    detail: str = ""     # what a person needs to fix it (the field and value), if known

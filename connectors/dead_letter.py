@@ -5,6 +5,8 @@ Each line is one rejected record::
     {"partition": "file:day_0.gz", "offset": 41, "line": 42,
      "reason": "bad_integer", "raw": "0\\t1\\tx\\t..."}
 
+Schema decoders add a "detail" (e.g. "price = 'abc': expected a number").
+
 `offset` is the record's offset in its partition (for a file, the 0-based
 data-line number); `line` is ``offset + 1``, the 1-based data-line number a
 person would look up (for a file with a header, the file line is ``line + 1``).
@@ -35,7 +37,7 @@ class DeadLetterFile:
         if self._file is None:
             raise ValueError(f"dead-letter file {self.path} is closed")
         lines = [json.dumps({"partition": r.partition, "offset": r.offset, "line": r.offset + 1,
-                             "reason": r.reason,
+                             "reason": r.reason, **({"detail": r.detail} if r.detail else {}),
                              "raw": r.raw.decode("utf-8", errors="replace")}, ensure_ascii=False)
                  for r in rejected]
         self._file.write("\n".join(lines) + "\n")

@@ -1,0 +1,267 @@
+"""Raw columns of a block of records, and what each schema field kind makes of them.
+
+A raw column is the value of one path in every record of a block, in one of
+two shapes:
+
+- `TextColumn` — byte spans of one buffer (a csv column; or JSON strings,
+  encoded and joined once).  An empty span is a missing value.
+- a list of Python values (a JSON column, as the parser gave it; None is
+  missing).
+
+The converters below turn a raw column into typed numpy arrays plus a per-row
+status (`OK`, `MISSING`, `BAD`) that the decoder turns into rejects.  Work is
+vectorized over the column; a Python loop runs only over the values of a
+column that the fast path could not take (mixed types, words, bad values).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from stream_ctr.connectors.decode import days_from_civil, parse_ints
+from stream_ctr.connectors.decode_tables import criteo_buckets
+from stream_ctr.connectors.hashing import field_salt, hash_ints, hash_spans, hash_strings, mix64, word_view, GOLDEN
+
+OK, MISSING, BAD = 0, 1, 2
+_DAYS_IN_MONTH = np.array([0, 31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31], dtype=np.int64)
+_TRUE_WORDS = {"1", "true", "True", "TRUE", "yes"}
+_FALSE_WORDS = {"0", "false", "False", "FALSE", "no"}
+
+
+class WrongParent:
+    """A dotted path whose parent is not an object (e.g. device = "ios" for device.os)."""
+
+    def __init__(self, parent: Any) -> None:
+        self.parent = parent
+
+    def __repr__(self) -> str:
+        return f"<parent is {self.parent!r}, not an object>"
+
+
+@dataclass
+class TextColumn:
+    """Byte spans ``buf[starts[i]:ends[i]]``; `buf` has 8 zero bytes of slack after its data."""
+    buf: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def missing(self) -> np.ndarray:
+        return self.ends == self.starts
+
+    def value(self, row: int) -> str:
+        return self.buf[self.starts[row]:self.ends[row]].tobytes().decode("utf-8", errors="replace")
+
+
+def raw_value(raw: TextColumn | list[Any], row: int) -> Any:
+    """The raw value of one row, for a reject's detail."""
+    return raw.value(row) if isinstance(raw, TextColumn) else raw[row]
+
+
+def scalar_token(value: Any) -> bytes | None:
+    """The bytes a scalar is hashed as: strings as UTF-8, numbers as their JSON text,
+    booleans as true/false; None for anything else (a list, an object)."""
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, bool):
+        return b"true" if value else b"false"
+    if isinstance(value, int):
+        return str(value).encode()
+    if isinstance(value, float):
+        return repr(value).encode()
+    return None
+
+
+def text_of_values(values: list[Any]) -> tuple[TextColumn, np.ndarray]:
+    """(TextColumn of the scalar tokens, status) of a JSON column; None is missing (empty span)."""
+    n = len(values)
+    status = np.zeros(n, np.int8)
+    try:
+        joined = "".join(values)                                   # the common case: all strings
+        lengths = np.fromiter(map(len, values), np.int64, n)
+        data = joined.encode("utf-8")
+        if len(data) != len(joined):                               # non-ASCII: byte lengths differ
+            encoded = [v.encode("utf-8") for v in values]
+            lengths = np.fromiter(map(len, encoded), np.int64, n)
+    except TypeError:
+        encoded = []
+        for i, v in enumerate(values):
+            token = b"" if v is None else scalar_token(v)
+            if v is None:
+                status[i] = MISSING
+            elif token is None:
+                status[i], token = BAD, b""
+            encoded.append(token)
+        data = b"".join(encoded)
+        lengths = np.fromiter(map(len, encoded), np.int64, n)
+    ends = np.cumsum(lengths)
+    buf = np.zeros(len(data) + 8, np.uint8)
+    buf[:len(data)] = np.frombuffer(data, np.uint8)
+    return TextColumn(buf, ends - lengths, ends), status
+
+
+def as_text(raw: TextColumn | list[Any]) -> tuple[TextColumn, np.ndarray]:
+    if isinstance(raw, TextColumn):
+        return raw, np.where(raw.missing, MISSING, OK).astype(np.int8)
+    return text_of_values(raw)
+
+
+def numbers(raw: TextColumn | list[Any], words: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(float64 values, status) of a column; with `words`, true/false/yes/no count as 1/0."""
+    if isinstance(raw, TextColumn):
+        return _numbers_of_text(raw, words)
+    n = len(raw)
+    try:
+        values = np.array(raw, dtype=np.float64)       # None -> nan; numeric strings parse too
+        if values.shape != (n,):
+            raise ValueError("not a flat column")
+        status = np.where(np.isnan(values), MISSING, np.where(np.isinf(values), BAD, OK)).astype(np.int8)
+        return values, status
+    except (ValueError, TypeError):
+        pass
+    values, status = np.zeros(n, np.float64), np.zeros(n, np.int8)
+    for i, v in enumerate(raw):
+        values[i], status[i] = _one_number(v, words)
+    return values, status
+
+
+def _one_number(v: Any, words: bool) -> tuple[float, int]:
+    if v is None:
+        return 0.0, MISSING
+    if isinstance(v, (bool, int, float)):
+        x = float(v)
+        return (x, OK) if np.isfinite(x) else (0.0, BAD)
+    if isinstance(v, str):
+        if words and v.strip() in _TRUE_WORDS:
+            return 1.0, OK
+        if words and v.strip() in _FALSE_WORDS:
+            return 0.0, OK
+        try:
+            x = float(v)
+        except ValueError:
+            return 0.0, BAD
+        return (x, OK) if np.isfinite(x) else (0.0, BAD)
+    return 0.0, BAD
+
+
+def _numbers_of_text(col: TextColumn, words: bool) -> tuple[np.ndarray, np.ndarray]:
+    ints, ok, missing = parse_ints(col.buf, col.starts, col.ends)
+    values = ints.astype(np.float64)
+    status = np.where(missing, MISSING, OK).astype(np.int8)
+    for i in np.flatnonzero(~ok).tolist():                  # not an integer: a float, a word, or bad
+        values[i], status[i] = _one_number(col.value(i), words)
+    return values, status
+
+
+def labels(raw: TextColumn | list[Any], threshold: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """(float32 0/1 labels, status): 0/1 and true/false, or value >= threshold."""
+    values, status = numbers(raw, words=True)
+    if threshold is None:
+        status[(status == OK) & (values != 0) & (values != 1)] = BAD
+        return values.astype(np.float32), status
+    return (values >= threshold).astype(np.float32), status
+
+
+def category_keys(raw: TextColumn | list[Any], field_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(63-bit keys of the tokens in field `field_id`, status); a missing value has the field's
+    missing key (the key of an empty token)."""
+    col, status = as_text(raw)
+    keys = hash_spans(word_view(col.buf), col.starts, col.ends - col.starts,
+                      field_salt(np.int64(field_id)))
+    return keys, status
+
+
+def token_key(value: Any, field_id: int) -> np.int64:
+    """The key of one scalar (a declared default) in field `field_id`."""
+    return hash_strings([scalar_token(value) or b""], field_id)[0]
+
+
+def bucket_keys(values: np.ndarray, missing: np.ndarray, boundaries: tuple[float, ...] | str,
+                field_id: int) -> np.ndarray:
+    """Keys of the bucket of each value (missing rows: the field's missing key)."""
+    if isinstance(boundaries, str):                     # log_squared: Criteo winners' integer buckets
+        whole = np.floor(np.where(missing, 0, values)).astype(np.int64)
+        bucket = criteo_buckets(whole)
+    else:
+        bucket = np.searchsorted(np.asarray(boundaries), values, side="right").astype(np.int64)
+    return hash_ints(bucket, np.int64(field_id), missing)
+
+
+def dense_values(values: np.ndarray, transform: str, mean: float, std: float) -> np.ndarray:
+    """float32 dense column: raw, sign(x)*log1p(|x|) in float32, or (x - mean) / std."""
+    if transform == "log1p":
+        # float32 all the way, as the Criteo decoder does (decode_tables._signed_log1p_into).
+        as_float = values.astype(np.float32)
+        mag = np.abs(as_float)
+        np.log1p(mag, out=mag)
+        return np.copysign(mag, as_float)
+    if transform == "standardize":
+        return ((values - mean) / std).astype(np.float32)
+    return values.astype(np.float32)
+
+
+def cross_keys(parts: list[np.ndarray], field_id: int) -> np.ndarray:
+    """Keys of the combination of the component keys of each row, in field `field_id`."""
+    state = parts[0].astype(np.uint64)
+    for k in parts[1:]:
+        state = state * GOLDEN
+        state ^= k.view(np.uint64)
+        mix64(state)
+    return hash_ints(state.view(np.int64), np.int64(field_id))
+
+
+def epoch_ms(raw: TextColumn | list[Any], unit: str) -> tuple[np.ndarray, np.ndarray]:
+    values, status = numbers(raw)
+    scale = 1000.0 if unit == "s" else 1.0
+    ms = np.floor(values * scale)
+    status[(status == OK) & ((ms < -(2.0 ** 62)) | (ms > 2.0 ** 62))] = BAD
+    return np.where(status == OK, ms, 0).astype(np.int64), status
+
+
+def formatted_time_ms(raw: TextColumn | list[Any], layout: tuple[tuple[str, int, int], ...]
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """ms since the epoch (UTC) of time strings in a fixed-width strftime layout, and status."""
+    col, status = as_text(raw)
+    width = sum(w for _, _, w in layout)
+    ok = (col.ends - col.starts) == width
+    buf = col.buf
+    fields = {"Y": 1970, "m": 1, "d": 1, "H": 0, "M": 0, "S": 0}
+    starts = np.where(ok, col.starts, 0)
+    last = len(buf) - 1
+    for directive, at, w in layout:
+        if directive.startswith("="):                   # a literal character
+            ok &= buf[np.minimum(starts + at, last)] == ord(directive[1])
+            continue
+        value = np.zeros(len(starts), np.int64)
+        for k in range(w):
+            digit = buf[np.minimum(starts + at + k, last)].astype(np.int64) - 48
+            ok &= (digit >= 0) & (digit <= 9)
+            value = value * 10 + digit
+        if directive == "y":                            # POSIX: 69-99 -> 19xx, 00-68 -> 20xx
+            directive, value = "Y", np.where(value >= 69, 1900 + value, 2000 + value)
+        fields[directive] = value
+    year, month, day = (np.asarray(fields[k]) for k in ("Y", "m", "d"))
+    hour, minute, second = (np.asarray(fields[k]) for k in ("H", "M", "S"))
+    leap = (year % 4 == 0) & ((year % 100 != 0) | (year % 400 == 0))
+    month_days = _DAYS_IN_MONTH[np.clip(month, 0, 12)] + (leap & (month == 2))
+    ok &= (month >= 1) & (month <= 12) & (day >= 1) & (day <= month_days)
+    ok &= (hour <= 23) & (minute <= 59) & (second <= 60)
+    days = days_from_civil(year, np.clip(month, 1, 12), day)
+    ms = (((days * 24 + hour) * 60 + minute) * 60 + second) * 1000
+    status[(status == OK) & ~ok] = BAD
+    return np.where(status == OK, ms, 0).astype(np.int64), status
+
+
+def time_parts_ms(event_ms: np.ndarray, part: str, field_id: int) -> np.ndarray:
+    """Keys of the hour of day (0-23) or day of week (Monday = 0) of event times, UTC."""
+    if part == "hour_of_day":
+        value = event_ms // 3_600_000 % 24
+    else:
+        value = (event_ms // 86_400_000 + 3) % 7
+    return hash_ints(value, np.int64(field_id))
+

@@ -1,0 +1,178 @@
+"""The schema decoder on JSON lines and delimited text: columns, defaults, and rejects that name the field."""
+import json
+from datetime import datetime, timezone
+
+import numpy as np
+import pytest
+
+from stream_ctr.connectors.hashing import hash_ints, hash_strings
+from stream_ctr.connectors.schema import parse_schema
+from stream_ctr.connectors.schema_decode import decode_records
+
+JSON_SCHEMA = parse_schema("""
+[schema]
+encoding = "json"
+[schema.fields.clicked]
+kind = "label"
+[schema.fields.user]
+kind = "categorical"
+[schema.fields.os]
+kind = "categorical"
+path = "device.os"
+default = "unknown"
+[schema.fields.price]
+kind = "numeric"
+transform = "log1p"
+[schema.fields.price_bucket]
+kind = "numeric"
+path = "price"
+transform = "bucketize"
+boundaries = [0.1, 1.0]
+[schema.fields.age]
+kind = "numeric"
+transform = "standardize"
+mean = 30
+std = 10
+optional = true
+[schema.fields.ts]
+kind = "event_time"
+format = "%Y-%m-%dT%H:%M:%S"
+[schema.fields.hour]
+kind = "time_part"
+part = "hour_of_day"
+[schema.fields.weight]
+kind = "weight"
+default = 1.0
+[schema.crosses.user_x_os]
+fields = ["user", "os"]
+""")
+
+
+def _lines(*records) -> bytes:
+    return b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in records)
+
+
+GOOD = {"clicked": True, "user": "u1", "device": {"os": "ios"}, "price": 0.5, "age": 40,
+        "ts": "2024-01-02T03:04:05"}
+
+
+def test_json_columns_are_the_declared_features():
+    b, rejected = decode_records(_lines(GOOD, {**GOOD, "clicked": 0, "user": 7, "device": {}, "price": 2,
+                                                "age": None}), JSON_SCHEMA, "p", 10)
+    assert rejected == []
+    assert b.offset.tolist() == [10, 11] and b.partitions == ("p",)
+    assert b.labels.tolist() == [1.0, 0.0]
+    assert b.keys[:, 0].tolist() == hash_strings(["u1", "7"], 0).tolist()      # an int hashes as its text
+    assert b.keys[:, 1].tolist() == hash_strings(["ios", "unknown"], 1).tolist()  # the default
+    assert b.keys[:, 2].tolist() == hash_ints(np.array([1, 2]), 2).tolist()       # bucket of 0.5, of 2
+    assert b.keys[:, 3].tolist() == hash_ints(np.array([3, 3]), 3).tolist()       # 03:04 UTC
+    assert b.keys[0, 4] != b.keys[1, 4] and (b.keys >= 0).all()
+    np.testing.assert_array_equal(b.dense[:, 0], np.log1p(np.float32([0.5, 2.0])))
+    np.testing.assert_allclose(b.dense[:, 1], [1.0, 0.0])                         # optional: 0.0
+    expected = datetime(2024, 1, 2, 3, 4, 5, tzinfo=timezone.utc).timestamp() * 1000
+    assert b.event_time_ms.tolist() == [expected, expected]
+
+
+def test_crosses_depend_on_every_component():
+    recs = [GOOD, {**GOOD, "user": "u2"}, {**GOOD, "device": {"os": "android"}}, GOOD]
+    b, _ = decode_records(_lines(*recs), JSON_SCHEMA, "p", 0)
+    cross = b.keys[:, 4].tolist()
+    assert len(set(cross[:3])) == 3 and cross[0] == cross[3]
+
+
+@pytest.mark.parametrize("line, reason, detail", [
+    (b"not json", "bad_json", ""),
+    (b"", "empty", ""),
+    (b"[1, 2]", "not_an_object", ""),
+    (b"null", "not_an_object", ""),
+    ({**GOOD, "price": "abc"}, "bad_value:price", "price = 'abc': expected a number"),
+    ({**GOOD, "price": [1]}, "bad_value:price", "expected a number"),
+    ({k: v for k, v in GOOD.items() if k != "user"}, "missing:user", "user"),
+    ({**GOOD, "user": None}, "missing:user", "default"),
+    ({**GOOD, "user": {"id": 1}}, "bad_value:user", "user = {'id': 1}"),
+    ({**GOOD, "device": "ios"}, "bad_value:os", "not an object"),
+    ({**GOOD, "clicked": 2}, "bad_value:clicked", "clicked = 2"),
+    ({**GOOD, "clicked": "maybe"}, "bad_value:clicked", "maybe"),
+    ({**GOOD, "ts": "2024-02-30T03:04:05"}, "bad_value:ts", "%Y-%m-%dT%H:%M:%S"),
+    ({**GOOD, "ts": "2024-01-02 03:04:05"}, "bad_value:ts", "2024-01-02 03:04:05"),
+    ({**GOOD, "weight": -1}, "bad_value:weight", ">= 0"),
+])
+def test_bad_records_are_rejected_naming_the_field(line, reason, detail):
+    data = _lines(GOOD, line, GOOD)
+    b, rejected = decode_records(data, JSON_SCHEMA, "p", 0)
+    assert b.offset.tolist() == [0, 2]
+    assert [(r.offset, r.reason) for r in rejected] == [(1, reason)]
+    assert detail in rejected[0].detail
+    assert rejected[0].raw == data.split(b"\n")[1]
+
+
+def test_first_failing_field_in_declared_order_names_the_reject():
+    _, rejected = decode_records(_lines({**GOOD, "user": None, "price": "x"}), JSON_SCHEMA, "p", 0)
+    assert rejected[0].reason == "missing:user"
+
+
+def test_kafka_rule_skips_blank_lines():
+    b, rejected = decode_records(_lines(GOOD, b"", GOOD), JSON_SCHEMA, "p", 0, skip_empty_lines=True)
+    assert (len(b), rejected) == (2, [])
+
+
+def test_label_words_and_threshold():
+    s = parse_schema("[schema]\nencoding='json'\n[schema.fields.y]\nkind='label'\n"
+                     "[schema.fields.a]\nkind='categorical'\n")
+    b, rej = decode_records(_lines(*({"y": v, "a": "x"} for v in [0, 1, "true", "false", "1", False])),
+                            s, "p", 0)
+    assert b.labels.tolist() == [0, 1, 1, 0, 1, 0] and rej == []
+    s = parse_schema("[schema]\nencoding='json'\n[schema.fields.y]\nkind='label'\nthreshold=0.5\n"
+                     "[schema.fields.a]\nkind='categorical'\n")
+    b, _ = decode_records(_lines(*({"y": v, "a": "x"} for v in [0.2, 0.5, 3])), s, "p", 0)
+    assert b.labels.tolist() == [0, 1, 1]
+
+
+def test_epoch_seconds_and_milliseconds():
+    for unit, value in (("s", 1700000000.25), ("ms", 1700000000250)):
+        s = parse_schema(f"[schema]\nencoding='json'\n[schema.fields.y]\nkind='label'\n"
+                         f"[schema.fields.a]\nkind='categorical'\n[schema.fields.t]\nkind='event_time'\n"
+                         f"unit='{unit}'\n")
+        b, _ = decode_records(_lines({"y": 1, "a": "x", "t": value}), s, "p", 0)
+        assert b.event_time_ms.tolist() == [1700000000250]
+
+
+def test_non_ascii_tokens_hash_as_utf8():
+    s = parse_schema("[schema]\nencoding='json'\n[schema.fields.y]\nkind='label'\n[schema.fields.a]\n"
+                     "kind='categorical'\n")
+    b, _ = decode_records(_lines({"y": 1, "a": "café"}, {"y": 0, "a": "x"}), s, "p", 0)
+    assert b.keys[:, 0].tolist() == hash_strings(["café", "x"], 0).tolist()
+
+
+CSV_SCHEMA = parse_schema("""
+[schema]
+encoding = "csv"
+delimiter = ";"
+columns = ["y", "site", "price", "when"]
+[schema.fields.y]
+kind = "label"
+[schema.fields.site]
+kind = "categorical"
+optional = true
+[schema.fields.price]
+kind = "numeric"
+default = 0.5
+[schema.fields.when]
+kind = "event_time"
+format = "%y%m%d%H"
+""")
+
+
+def test_csv_decodes_the_same_tokens_as_json():
+    b, rejected = decode_records(b"1;news;1.5;24010203\r\n0;;;24010204\n0;a;b;24010203\n1;x\n",
+                                 CSV_SCHEMA, "file:x", 0)
+    assert [(r.offset, r.reason) for r in rejected] == [(2, "bad_value:price"), (3, "field_count")]
+    assert b.keys[:, 0].tolist() == hash_strings(["news", ""], 0).tolist()
+    assert b.dense[:, 0].tolist() == [1.5, 0.5]
+    hour = datetime(2024, 1, 2, 3, tzinfo=timezone.utc).timestamp() * 1000
+    assert b.event_time_ms.tolist() == [hour, hour + 3_600_000]
+    assert rejected[0].raw == b"0;a;b;24010203" and "price = 'b'" in rejected[0].detail
+    js = parse_schema("[schema]\nencoding='json'\n[schema.fields.y]\nkind='label'\n[schema.fields.site]\n"
+                      "kind='categorical'\n")
+    bj, _ = decode_records(_lines({"y": 1, "site": "news"}), js, "p", 0)
+    assert bj.keys[0, 0] == b.keys[0, 0]
