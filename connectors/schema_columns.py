@@ -89,6 +89,10 @@ def text_of_values(values: list[Any]) -> tuple[TextColumn, np.ndarray]:
             encoded = [v.encode("utf-8") for v in values]
             lengths = np.fromiter(map(len, encoded), np.int64, n)
     except TypeError:
+        if all(type(v) is int for v in values):                   # all integers: their decimal text
+            strings = list(map(str, values))
+            lengths = np.fromiter(map(len, strings), np.int64, n)
+            return _text_column("".join(strings).encode(), lengths), status
         encoded = []
         for i, v in enumerate(values):
             token = b"" if v is None else scalar_token(v)
@@ -99,10 +103,14 @@ def text_of_values(values: list[Any]) -> tuple[TextColumn, np.ndarray]:
             encoded.append(token)
         data = b"".join(encoded)
         lengths = np.fromiter(map(len, encoded), np.int64, n)
+    return _text_column(data, lengths), status
+
+
+def _text_column(data: bytes, lengths: np.ndarray) -> TextColumn:
     ends = np.cumsum(lengths)
     buf = np.zeros(len(data) + 8, np.uint8)
     buf[:len(data)] = np.frombuffer(data, np.uint8)
-    return TextColumn(buf, ends - lengths, ends), status
+    return TextColumn(buf, ends - lengths, ends)
 
 
 def as_text(raw: TextColumn | list[Any]) -> tuple[TextColumn, np.ndarray]:

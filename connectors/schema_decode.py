@@ -19,7 +19,9 @@ A field's failure is rejected as ``missing:FIELD`` or ``bad_value:FIELD``
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import importlib
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -32,8 +34,23 @@ from stream_ctr.connectors.schema import (CategoricalField, EventTimeField, Fiel
 
 try:                                    # a well-kept C parser; the stdlib's is the fallback
     from orjson import loads as _loads, JSONDecodeError as _JSONError
+    JSON_PARSER = "orjson"
 except ImportError:                     # pragma: no cover - orjson is a dependency
     from json import loads as _loads, JSONDecodeError as _JSONError  # type: ignore[assignment]
+    JSON_PARSER = "json"
+
+
+@contextmanager
+def json_parser(name: str) -> Iterator[None]:
+    """Decode with the stdlib's parser ("json") or orjson inside the block (bench and tests)."""
+    global _loads, _JSONError
+    saved = _loads, _JSONError
+    module = importlib.import_module(name)
+    _loads, _JSONError = module.loads, module.JSONDecodeError
+    try:
+        yield
+    finally:
+        _loads, _JSONError = saved
 
 _LF, _CR = 10, 13
 _EXPECTED = {"label": "0/1 or true/false (or a number, with threshold)", "weight": "a number >= 0",

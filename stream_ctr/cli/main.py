@@ -31,6 +31,7 @@ EPILOG = """examples:
   stream-ctr replay criteo:sample --to kafka://127.0.0.1:9092/clicks --partitions 3
   stream-ctr train 'kafka://127.0.0.1:9092/clicks?group=ctr' --checkpoint-every 100
   stream-ctr bench ingest                           # Kafka consume + decode throughput
+  stream-ctr bench decode                           # records/s of Criteo, Avazu, a JSON log (one core)
   torchrun --nproc-per-node=4 -m stream_ctr train --merge-every 16   # 4 replicas, sharded rows
   stream-ctr bench merge                            # k-step merge: bytes, ms/step, AUC per k
   stream-ctr bench kernels --dims 10,16,64,128      # ops/ kernels: GB/s vs a device copy
@@ -204,6 +205,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     add_bench_step_parser(bsub, _add_common)
     from stream_ctr.bench.scaling import add_bench_scaling_parser
     add_bench_scaling_parser(bsub, _add_common)
+    from stream_ctr.bench.decode import add_bench_decode_parser
+    add_bench_decode_parser(bsub, _add_common)
 
 
 def _report_parser(sub: argparse._SubParsersAction) -> None:
