@@ -1,4 +1,5 @@
-"""File sources: Criteo TSV / Avazu CSV files, plain or gzip, read in decoded chunks.
+"""File sources: Criteo TSV / Avazu CSV files, or JSON lines / delimited text under a
+declared schema (connectors/schema.py), plain or gzip, read in decoded chunks.
 
 A file is one source partition named ``"file:" + basename``.  A record's
 offset is its 0-based *data-line number*: the header line (Avazu) is not
@@ -8,6 +9,7 @@ with ``start_offset`` set to it yields exactly the records that follow.
 """
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import zlib
 from importlib import resources
@@ -19,6 +21,12 @@ import numpy as np
 from stream_ctr.connectors.batch import Batch, Positions, Rejected
 from stream_ctr.connectors.decode import decode_lines
 from stream_ctr.connectors.formats import FORMATS, RecordFormat
+from stream_ctr.connectors.schema import Schema, SchemaError, parse_schema, schema_to_toml
+from stream_ctr.connectors.schema_decode import decode_records
+
+# A source's layout: a hand-written format, or a declared schema (which reads like one here).
+Layout = RecordFormat | Schema
+SCHEMA_ENCODINGS = ("json", "csv")
 
 # The real samples bundled with the package (stream_ctr/data/, SOURCES.md), found the same
 # way in a checkout, an editable install and a wheel.
@@ -171,7 +179,7 @@ class FileSource:
     data line `stop_offset` if given (e.g. to hold out the end of a file).
     """
 
-    def __init__(self, path: str | Path, fmt: RecordFormat, start_offset: int = 0,
+    def __init__(self, path: str | Path, fmt: Layout, start_offset: int = 0,
                  chunk_records: int = 65536, stop_offset: int | None = None,
                  read_bytes: int = READ_BYTES) -> None:
         if start_offset < 0 or chunk_records < 1:
@@ -186,7 +194,9 @@ class FileSource:
         self.stop_offset = stop_offset
         self._stream = open_binary(self.path)
         self._lines = _LineReader(self._stream, read_bytes, name=str(self.path))
-        if fmt.has_header:
+        if isinstance(fmt, Schema) and fmt.has_header:
+            self.fmt = _schema_header(self._lines, self.path, fmt)
+        elif fmt.has_header:
             _check_header(self._lines, self.path, fmt)
         self._next_offset = self._lines.skip(start_offset)
 
@@ -198,7 +208,10 @@ class FileSource:
         data, k = self._lines.take(n) if n > 0 and self._stream is not None else (b"", 0)
         if k == 0:
             return Batch.empty(self.fmt.n_keys, self.fmt.n_dense, (self.partition,)), []
-        batch, rejected = decode_lines(data, self.fmt, self.partition, self._next_offset)
+        if isinstance(self.fmt, Schema):
+            batch, rejected = decode_records(data, self.fmt, self.partition, self._next_offset)
+        else:
+            batch, rejected = decode_lines(data, self.fmt, self.partition, self._next_offset)
         self._next_offset += k
         return batch, rejected
 
@@ -241,7 +254,25 @@ def _check_header(lines: _LineReader, path: Path, fmt: RecordFormat) -> None:
                           f"Add the header line or pick the right format")
 
 
-def count_records(path: str | Path, fmt: RecordFormat, read_bytes: int = READ_BYTES) -> int:
+def _schema_header(lines: _LineReader, path: Path, schema: Schema) -> Schema:
+    """Consume a csv header line: the schema with its column names (checked against
+    `columns` when the schema lists them too)."""
+    data, k = lines.take(1)
+    if k == 0:
+        return schema
+    header = data.rstrip(b"\r\n").decode("utf-8", errors="replace").split(schema.delimiter)
+    if schema.columns and tuple(header) != schema.columns:
+        raise SourceError(f"{path}: the header ({', '.join(header[:6])}...) is not the schema's columns "
+                          f"({', '.join(schema.columns[:6])}...); fix the schema's columns or the file")
+    if schema.columns:
+        return schema
+    try:               # validated again: every field's column must be in the header
+        return parse_schema(schema_to_toml(dataclasses.replace(schema, columns=tuple(header))), str(path))
+    except SchemaError as exc:
+        raise SourceError(f"{path}: with the columns of its header: {exc}") from None
+
+
+def count_records(path: str | Path, fmt: Layout, read_bytes: int = READ_BYTES) -> int:
     """Number of data lines in the file (header excluded), by a bulk newline count."""
     n_lines, n_bytes, last = 0, 0, b"\n"
     with open_binary(path) as stream:
@@ -257,27 +288,56 @@ def count_records(path: str | Path, fmt: RecordFormat, read_bytes: int = READ_BY
     return max(n_lines - (1 if fmt.has_header and n_bytes else 0), 0)
 
 
-def detect_format(spec: str) -> tuple[RecordFormat, Path]:
-    """Parse a source spec: ``criteo:PATH``, ``avazu:PATH``, ``criteo:sample``, or a bare PATH.
+def detect_format(spec: str, schema: Schema | str | None = None) -> tuple[Layout, Path]:
+    """Parse a source spec: ``criteo:PATH``, ``avazu:PATH``, ``criteo:sample``, ``json:PATH``,
+    ``csv:PATH``, or a bare PATH.
 
-    A bare path's format comes from its name: containing "criteo" or
-    "avazu", else a .tsv (-> criteo) or .csv (-> avazu) extension, optionally
-    followed by .gz.  The file must exist.  Raises SourceError otherwise.
+    `schema` (a Schema or its TOML text; empty = none) is the declared layout
+    of ``json:``/``csv:`` sources, which need one; with a schema a bare path is
+    read under it.  A bare path's format otherwise comes from its name:
+    containing "criteo" or "avazu", else a .tsv (-> criteo) or .csv (-> avazu)
+    extension, optionally followed by .gz.  The file must exist.  Raises
+    SourceError otherwise.
     """
+    declared = _as_schema(schema)
     prefix, colon, rest = spec.partition(":")
-    if colon and prefix.lower() in FORMATS:
+    if colon and prefix.lower() in SCHEMA_ENCODINGS:
+        if declared is None:
+            raise SourceError(f"source {spec!r} needs a schema: pass --schema FILE (write one with "
+                              f"`stream-ctr schema infer {spec}`) or put a [schema] table in the config")
+        if declared.encoding != prefix.lower():
+            raise SourceError(f"source {spec!r} is {prefix.lower()}, the schema's encoding is "
+                              f"{declared.encoding!r}; use {declared.encoding}:{rest} or fix the schema")
+        fmt: Layout = declared
+        path = Path(rest).expanduser()
+    elif colon and prefix.lower() in FORMATS:
+        if declared is not None:
+            raise SourceError(f"source {spec!r}: {prefix.lower()} records have a built-in layout; "
+                              "--schema / [schema] is for json:PATH and csv:PATH sources")
         fmt = FORMATS[prefix.lower()]
         path = SAMPLE_PATHS[fmt.name] if rest == "sample" else Path(rest).expanduser()
     elif colon and len(prefix) > 1 and prefix.isidentifier() and not Path(spec).exists():
         raise SourceError(f"unknown record format {prefix!r} in {spec!r}; known formats: "
-                          f"{', '.join(sorted(FORMATS))} (write FORMAT:PATH, e.g. criteo:day_0.gz)")
+                          f"{', '.join(sorted(FORMATS) + list(SCHEMA_ENCODINGS))} "
+                          "(write FORMAT:PATH, e.g. criteo:day_0.gz or json:clicks.jsonl)")
     else:
         path = Path(spec).expanduser()
-        fmt = _guess_format(path)
+        fmt = declared if declared is not None else _guess_format(path)
     if not path.is_file():
         raise SourceError(f"no such file: {path} (from source {spec!r}; check the path, or use "
                           "criteo:sample / avazu:sample for the bundled samples)")
     return fmt, path
+
+
+def _as_schema(schema: Schema | str | None) -> Schema | None:
+    if schema is None or isinstance(schema, Schema):
+        return schema
+    if not schema.strip():
+        return None
+    try:
+        return parse_schema(schema)
+    except SchemaError as exc:
+        raise SourceError(str(exc)) from None
 
 
 def _guess_format(path: Path) -> RecordFormat:
@@ -290,4 +350,7 @@ def _guess_format(path: Path) -> RecordFormat:
         return FORMATS["criteo"]
     if stem.endswith(".csv"):
         return FORMATS["avazu"]
+    if stem.endswith((".json", ".jsonl", ".ndjson")):
+        raise SourceError(f"{path} looks like JSON lines: pass its schema with --schema FILE "
+                          f"(`stream-ctr schema infer json:{path}` writes one)")
     raise SourceError(f"cannot tell the record format of {path}; write criteo:{path} or avazu:{path}")

@@ -38,6 +38,9 @@ class DataConfig:
     # steps (the decoder releases the GIL); 0 = decode on the training thread.
     read_ahead_chunks: int = 2
     dead_letter_path: str = ""      # default: RUN_DIR/dead_letter.jsonl
+    # The declared schema of json:/csv: sources, as TOML text (connectors/schema.py): set by
+    # --schema FILE or a [schema] table in the config file; stored in every checkpoint.
+    schema: str = ""
 
 
 @dataclass
@@ -204,6 +207,9 @@ class Config:
     def from_dict(raw: dict[str, Any], origin: str = "config") -> "Config":
         cfg = Config()
         raw = _upgrade_legacy(raw)
+        if "schema" in raw:             # [schema]: the data's declared layout, kept as its TOML text
+            raw = dict(raw)
+            cfg.data.schema = schema_text(raw.pop("schema"), origin)
         for section, values in raw.items():
             if not hasattr(cfg, section) or not isinstance(values, dict):
                 raise ConfigError(f"{origin}: unknown section [{section}] "
@@ -211,6 +217,15 @@ class Config:
             for key, value in values.items():
                 set_option(cfg, f"{section}.{key}", value, origin)
         return cfg
+
+
+def schema_text(table: Any, origin: str) -> str:
+    """The canonical TOML text of a [schema] table (or TOML text); ConfigError if it cannot work."""
+    from stream_ctr.connectors.schema import SchemaError, parse_schema, schema_to_toml
+    try:
+        return schema_to_toml(parse_schema(table if isinstance(table, str) else {"schema": table}, origin))
+    except SchemaError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _upgrade_legacy(raw: dict[str, Any]) -> dict[str, Any]:

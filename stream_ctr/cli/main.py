@@ -23,6 +23,8 @@ EPILOG = """examples:
   stream-ctr export runs/latest --out bundle        # a serving bundle of the newest checkpoint
   stream-ctr predict bundle --out probs.txt         # score the run's held-out rows with it
   stream-ctr synth /tmp/criteo_1m.tsv --records 1000000
+  stream-ctr schema infer json:clicks.jsonl --label clicked > s.toml   # your own log ...
+  stream-ctr train json:clicks.jsonl --schema s.toml --holdout-fraction 0.1   # ... trains as is
   stream-ctr bench train --records 1000000
   stream-ctr train --cache-bytes 2GiB --ram-bytes 32GiB --disk-bytes 2TB --store-dir /ssd/emb
   stream-ctr bench store --distinct 100000000 --store-dir /ssd/bench
@@ -64,9 +66,13 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                        description="Train with prequential (test-then-train) evaluation, "
                                    "checkpointing at the end (and every N batches if asked).")
     p.add_argument("source", nargs="?", help="criteo:PATH, avazu:PATH, a path, "
-                   "criteo:sample / avazu:sample (bundled real samples), or a Kafka topic "
+                   "criteo:sample / avazu:sample (bundled real samples), json:PATH / csv:PATH "
+                   "(your own log, with --schema), or a Kafka topic "
                    "kafka://HOST:PORT/TOPIC?group=G&format=criteo (options: [kafka] config "
                    "section). default: criteo:sample")
+    p.add_argument("--schema", metavar="FILE", help="data.schema: the declared fields of json:/csv: "
+                   "records (TOML; `stream-ctr schema infer SOURCE` writes one); stored in the "
+                   "checkpoint, so eval, resume and predict decode the same way")
     p.add_argument("--stop-after-records", type=int, metavar="N", help="data.limit_records: "
                    "stop after training N records in this invocation (streams: backfills, tests)")
     p.add_argument("--stop-when-idle", type=float, metavar="SECONDS", help="kafka.stop_when_idle_s: "
@@ -150,8 +156,10 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="score a file with a checkpoint: AUC, logloss, calibration")
     p.add_argument("checkpoint", nargs="?", default="runs/latest",
                    help="checkpoint directory, checkpoint root or run dir (default: runs/latest)")
-    p.add_argument("source", nargs="?", help="criteo:PATH, avazu:PATH, or a path (default: the "
-                   "run's own source, and then only its held-out rows)")
+    p.add_argument("source", nargs="?", help="criteo:PATH, avazu:PATH, json:PATH, csv:PATH, or a "
+                   "path (default: the run's own source, and then only its held-out rows)")
+    p.add_argument("--schema", metavar="FILE", help="decode the source with this schema instead of "
+                   "the checkpoint's (it must give the same key and dense columns)")
     p.add_argument("--all", action="store_true", help="score every record of the source, also "
                    "those the run trained on")
     p.add_argument("--start", type=int, default=None, help="first data-line offset to score (default: where the run's held-out rows start; 0 with --all)")
@@ -241,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
         add(sub)
     from stream_ctr.cli.kafka import add_replay_parser
     add_replay_parser(sub, _add_common)
+    from stream_ctr.cli.schema import add_schema_parser
+    add_schema_parser(sub)
     from stream_ctr.cli.resources import add_resource_parsers
     add_resource_parsers(sub, _add_common)
     from stream_ctr.serving.commands import add_serving_parsers
@@ -281,6 +291,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                           "the batch the configured rates are for with --scale-from BASE_BATCH "
                           f"(e.g. --batch-size {round(args.scale * 1024)} --scale-from 1024)")
     cfg = load_config(args.config, args.set)
+    if args.schema:
+        cfg.data.schema = read_schema_file(args.schema)
     flags = {"source": ("data.source", args.source), "model": ("model.name", args.model),
              "batch": ("data.batch_size", args.batch_size), "epochs": ("data.epochs", args.epochs),
              "scale_from": ("optim.scale_from_batch", args.scale_from),
@@ -334,11 +346,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from stream_ctr.distributed.job_checkpoint import load_any
     from stream_ctr.train.loop import evaluate_checkpoint
     result = evaluate_checkpoint(load_any(args.checkpoint), args.checkpoint, args.source,
-                                 args.start, args.stop, whole=args.all)
+                                 args.start, args.stop, whole=args.all,
+                                 schema=read_schema_file(args.schema) if args.schema else None)
     emit(args, result, f"AUC {result['auc']:.4f} logloss {result['logloss']:.4f} calibration "
          f"{result['calibration']:.3f} on {result['records']:,} records: {result['rows']}, lines "
          f"{result['start']:,}-{result['stop']:,} of {result['source']} ({result['checkpoint']})")
     return 0
+
+
+def read_schema_file(path: str) -> str:
+    """--schema FILE: the schema's canonical TOML text (what data.schema holds); ConfigError
+    naming the file and field when it cannot work."""
+    from stream_ctr.config import schema_text
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--schema {path}: cannot read it ({exc})") from None
+    return schema_text(text, path)
 
 
 def cmd_synth(args: argparse.Namespace) -> int:

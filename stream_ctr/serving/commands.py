@@ -109,7 +109,7 @@ def held_out_lines(cfg: Config) -> dict | None:
     if cfg.data.holdout_fraction <= 0 or "://" in cfg.data.source:
         return None
     try:
-        fmt, path = detect_format(cfg.data.source)
+        fmt, path = detect_format(cfg.data.source, cfg.data.schema)
         n = count_records(path, fmt)
     except SourceError:             # the run's file is gone or moved
         return None
@@ -138,7 +138,7 @@ def cmd_predict(args: argparse.Namespace) -> tuple[dict, str]:
     if "://" in source:
         raise ConfigError(f"the bundle's run trained on a stream ({source}); name a file to score: "
                           "stream-ctr predict BUNDLE criteo:PATH --out FILE")
-    fmt, path = detect_format(source)
+    fmt, path = detect_format(source, bundle.manifest["record_format"].get("schema", ""))
     if fmt.name != bundle.manifest["record_format"]["name"]:
         raise ConfigError(f"the bundle's model takes {bundle.manifest['record_format']['name']} records, "
                           f"{source} holds {fmt.name}")

@@ -26,6 +26,7 @@ import torch
 
 from stream_ctr.config import Config
 from stream_ctr.connectors.formats import RecordFormat
+from stream_ctr.connectors.schema import Schema
 from stream_ctr import __version__
 from stream_ctr.serving.bundle import BundleWriter, read_manifest
 from stream_ctr.store.errors import StoreError
@@ -37,7 +38,7 @@ from stream_ctr.store.policies import expired
 CHUNK_ROWS = 65536
 
 
-def export_bundle(tensors: dict[str, Any], config: dict[str, Any], out: str | Path, fmt: RecordFormat,
+def export_bundle(tensors: dict[str, Any], config: dict[str, Any], out: str | Path, fmt: RecordFormat | Schema,
                   checkpoint: dict[str, Any], precision: str, held_out: dict[str, Any] | None = None,
                   chunk_rows: int = CHUNK_ROWS) -> dict[str, Any]:
     """Write the bundle of a loaded checkpoint (`tensors`, `config` as saved) to `out`;
@@ -58,7 +59,9 @@ def export_bundle(tensors: dict[str, Any], config: dict[str, Any], out: str | Pa
             "model": dataclasses.asdict(cfg.model), "n_fields": fmt.n_keys, "n_dense": fmt.n_dense,
             "record_format": {"name": fmt.name, "key_fields": list(fmt.key_fields),
                               "n_dense": fmt.n_dense, "has_header": fmt.has_header,
-                              "delimiter": fmt.delimiter, "keys": "connectors/hashing.py (63-bit signs)"},
+                              "delimiter": fmt.delimiter, "keys": "connectors/hashing.py (63-bit signs)",
+                              # a declared schema (json:/csv: sources): how predict decodes records
+                              "schema": cfg.data.schema},
             "checkpoint": checkpoint, "precision": precision,
             "precision_setting": cfg.train.precision,
             "init": {"rule": "stream_ctr.store.embedding.init_rows", "seed": cfg.train.seed,

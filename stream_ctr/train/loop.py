@@ -119,7 +119,7 @@ def resume_data_config(cfg: Config, saved: Config) -> None:
     train the held-out lines); naming another file continues training on it (a
     new day of logs), from its first line."""
     default = Config().data
-    for name in ("source", "holdout_fraction"):
+    for name in ("source", "holdout_fraction", "schema"):
         if getattr(cfg.data, name) == getattr(default, name):     # not named by the command
             setattr(cfg.data, name, getattr(saved.data, name))
 
@@ -145,7 +145,7 @@ class Run:
         if self.stream is not None:           # one long epoch: nothing to count or hold out
             self.fmt, self.path, self.n_total, self.train_end = source_format(cfg), None, 0, 0
         else:
-            self.fmt, self.path = detect_format(cfg.data.source)
+            self.fmt, self.path = detect_format(cfg.data.source, cfg.data.schema)
             # Hold out the last fraction of the file, by data-line offset.
             self.n_total = count_records(self.path, self.fmt)
             self.train_end = held_out_start(self.n_total, cfg.data.holdout_fraction)
@@ -455,19 +455,19 @@ def held_out_start(n_total: int, holdout_fraction: float) -> int:
     return n_total - int(round(n_total * holdout_fraction))
 
 
-def _same_file(source: str, path: Path) -> bool:
+def _same_file(source: str, path: Path, schema: str = "") -> bool:
     """Whether `source` (a run's data.source) names the file at `path`."""
     if "://" in source:
         return False
     try:
-        return detect_format(source)[1].resolve() == path.resolve()
+        return detect_format(source, schema)[1].resolve() == path.resolve()
     except (ConfigError, OSError):          # the run's file is gone or moved
         return False
 
 
 def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str | None = None,
                         start: int | None = None, stop: int | None = None,
-                        whole: bool = False) -> dict:
+                        whole: bool = False, schema: str | None = None) -> dict:
     """`stream-ctr eval`: score a file with a loaded checkpoint's model, no training.
 
     `state` is one rank's checkpoint or a distributed job's shards as one table
@@ -475,7 +475,8 @@ def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str | N
     Which rows: `start`/`stop` (data-line offsets) when given; else the whole file
     when `whole` or when `source` is not the run's own; else the run's held-out
     tail (data.holdout_fraction), the rows its test AUC was measured on. The
-    result's `rows` says which it scored."""
+    result's `rows` says which it scored. `schema` (TOML text) decodes the source instead of
+    the checkpoint's own schema."""
     cfg = Config.from_dict(state.config, origin=f"{checkpoint} (checkpoint config)")
     own = cfg.data.source
     if source is None:
@@ -483,15 +484,15 @@ def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str | N
             raise ConfigError(f"the run of {checkpoint} trained on a Kafka topic ({own}); "
                               "name a file to score: stream-ctr eval RUN_DIR criteo:PATH")
         source = own
-    fmt, path = detect_format(source)
+    fmt, path = detect_format(source, schema or cfg.data.schema)
     saved_fmt = source_format(cfg)
-    if saved_fmt.name != fmt.name:
+    if (saved_fmt.name, saved_fmt.n_keys, saved_fmt.n_dense) != (fmt.name, fmt.n_keys, fmt.n_dense):
         raise ConfigError(f"checkpoint was trained on {saved_fmt.name} records, "
                           f"{source} is {fmt.name}: their features do not match")
     n_total = count_records(path, fmt)
     if start is not None or stop is not None:
         start, rows = start or 0, "the given range"
-    elif whole or not _same_file(own, path):
+    elif whole or not _same_file(own, path, cfg.data.schema):
         start, rows = 0, "all records"
     elif cfg.data.holdout_fraction > 0:
         start = held_out_start(n_total, cfg.data.holdout_fraction)

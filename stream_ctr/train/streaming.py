@@ -22,6 +22,7 @@ from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.dead_letter import DeadLetterFile
 from stream_ctr.connectors.files import detect_format
 from stream_ctr.connectors.formats import RecordFormat
+from stream_ctr.connectors.schema import Schema
 from stream_ctr.connectors.kafka.options import KafkaUrl, is_kafka_url, parse_kafka_url
 from stream_ctr.connectors.kafka.positions import filter_partitions
 from stream_ctr.train.batcher import MicroBatcher
@@ -122,10 +123,10 @@ def stream_url(cfg: Config) -> KafkaUrl | None:
     return url
 
 
-def source_format(cfg: Config) -> RecordFormat:
-    """The record format of `cfg.data.source`, file or Kafka."""
+def source_format(cfg: Config) -> RecordFormat | Schema:
+    """The record format of `cfg.data.source`, file or Kafka (a Schema for json:/csv: files)."""
     url = stream_url(cfg)
-    return url.options.record_format if url is not None else detect_format(cfg.data.source)[0]
+    return url.options.record_format if url is not None else detect_format(cfg.data.source, cfg.data.schema)[0]
 
 
 def open_dead_letter(cfg: Config, url: KafkaUrl | None):

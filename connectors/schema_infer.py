@@ -1,0 +1,287 @@
+"""Guess a schema from a sample of records: what `stream-ctr schema infer` prints.
+
+Every leaf of the sample (JSON: nested objects become dotted paths; csv: each
+column) gets a kind, and a comment saying why:
+
+- the label: the field named by `label`, else a field of booleans or 0/1
+  values (preferring names like click, label, target);
+- the event time: the first string field in a common time format, or a
+  number in the range of epoch seconds or milliseconds under a name that says
+  time (ts, time, date);
+- `ignore`: lists (multi_hot is not decoded yet), objects of mixed shape, and
+  strings unique to nearly every record (request ids: no two records share one,
+  so they teach nothing);
+- `categorical`: strings, booleans, and integers with few distinct values;
+- `numeric`: other numbers, `log1p` when non-negative and heavy-tailed, else
+  `standardize` with the sample's mean and std.
+
+A field missing from some sampled records is `optional` (its own "missing"
+key, or 0.0).  The result is a valid schema that trains as it is; the comments
+are there for the person who edits it.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stream_ctr.connectors.schema import (CategoricalField, EventTimeField, Field, IgnoreField, LabelField,
+                                          NumericField, Schema, SchemaError, parse_schema, schema_to_toml)
+
+try:
+    from orjson import loads as _loads
+except ImportError:                     # pragma: no cover - orjson is a dependency
+    from json import loads as _loads    # type: ignore[assignment]
+
+DEFAULT_RECORDS = 10_000
+MAX_CATEGORICAL_INTS = 100              # an integer field with at most this many values is categorical
+ID_UNIQUE_SHARE = 0.95                  # a string field this unique is an id
+LABEL_NAMES = ("click", "clicked", "label", "is_click", "target", "y", "conversion", "converted")
+TIME_NAMES = re.compile(r"(^|_|\.)(ts|time|timestamp|date|datetime|event_time)($|_)|time$", re.I)
+TIME_FORMATS = ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%SZ", "%Y-%m-%d",
+                "%Y%m%d%H%M%S", "%y%m%d%H")
+DELIMITERS = (",", "\t", ";", "|")
+
+
+@dataclass
+class _Leaf:
+    path: str
+    values: list[Any] = field(default_factory=list)
+    missing: int = 0
+
+
+def infer_schema(path: str | Path, encoding: str, n_records: int = DEFAULT_RECORDS,
+                 label: str | None = None) -> tuple[Schema, dict[str, str]]:
+    """(schema, comment per field) guessed from the first `n_records` records of a file.
+
+    `encoding` is "json" or "csv" (csv: the first line names the columns; the
+    delimiter is the one of , TAB ; | that splits it most).  SchemaError when
+    no label can be found or `label` is not a field of the sample.
+    """
+    from stream_ctr.connectors.files import open_binary
+    with open_binary(path) as f:
+        lines = []
+        for line in f:
+            if line.strip():
+                lines.append(line)
+            if len(lines) > n_records:
+                break
+    if encoding == "json":
+        leaves, n, extra = _json_leaves(lines[:n_records])
+    else:
+        leaves, n, extra = _csv_leaves(lines)
+    if n == 0:
+        raise SchemaError(f"{path}: no records to infer a schema from")
+    fields, comments = _guess_fields(leaves, n, label, str(path))
+    schema = Schema(encoding=encoding, fields=tuple(fields), **extra)
+    schema = parse_schema(schema_to_toml(schema), f"inferred from {path}")       # validated
+    return schema, comments
+
+
+def format_inferred(schema: Schema, comments: dict[str, str], source: str, n_records: int) -> str:
+    """The TOML that `stream-ctr schema infer` prints: a header, then the schema with comments."""
+    head = (f"# Schema inferred by `stream-ctr schema infer` from {n_records:,} records of {source}.\n"
+            "# Each comment says why a field got its kind; edit freely (connectors/schema.py documents\n"
+            "# the language), then train with --schema THIS_FILE.\n")
+    return head + schema_to_toml(schema, comments)
+
+
+def _json_leaves(lines: list[bytes]) -> tuple[dict[str, _Leaf], int, dict]:
+    records = []
+    for line in lines:
+        try:
+            r = _loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict):
+            records.append(r)
+    leaves: dict[str, _Leaf] = {}
+    for r in records:
+        for path, value in _flatten(r):
+            leaf = leaves.get(path)
+            if leaf is None:
+                leaf = leaves[path] = _Leaf(path)
+            leaf.values.append(value)
+    for leaf in leaves.values():
+        leaf.missing = len(records) - sum(v is not None for v in leaf.values)
+        leaf.values = [v for v in leaf.values if v is not None]
+    return leaves, len(records), {}
+
+
+def _flatten(record: dict, prefix: str = ""):
+    for key, value in record.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            yield from _flatten(value, path + ".")
+        else:
+            yield path, value
+
+
+def _csv_leaves(lines: list[bytes]) -> tuple[dict[str, _Leaf], int, dict]:
+    header = lines[0].rstrip(b"\r\n").decode("utf-8", errors="replace")
+    delimiter = max(DELIMITERS, key=header.count)
+    names = header.split(delimiter)
+    leaves = {name: _Leaf(name) for name in names}
+    n = 0
+    for line in lines[1:]:
+        cells = line.rstrip(b"\r\n").decode("utf-8", errors="replace").split(delimiter)
+        if len(cells) != len(names):
+            continue
+        n += 1
+        for name, cell in zip(names, cells):
+            if cell == "":
+                leaves[name].missing += 1
+            else:
+                leaves[name].values.append(_csv_value(cell))
+    return leaves, n, {"delimiter": delimiter, "header": True}
+
+
+def _csv_value(cell: str) -> Any:
+    for parse in (int, float):
+        try:
+            return parse(cell)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(cell.lower(), cell)
+
+
+def _guess_fields(leaves: dict[str, _Leaf], n: int, label: str | None, origin: str
+                  ) -> tuple[list[Field], dict[str, str]]:
+    if label is not None and label not in leaves:
+        raise SchemaError(f"{origin}: --label {label!r} is not a field of the sample; fields: "
+                          f"{', '.join(leaves)}")
+    named = label is not None
+    label = label or _label_candidate(leaves)
+    if label is None:
+        raise SchemaError(f"{origin}: no field looks like a label (booleans or 0/1); name it with "
+                          f"--label FIELD (fields: {', '.join(leaves)})")
+    fields: list[Field] = []
+    comments: dict[str, str] = {}
+    have_time = False
+    for path, leaf in leaves.items():
+        name = _field_name(path, {f.name for f in fields})
+        if path == label:
+            threshold = None if _is_binary(leaf.values) else 0.5
+            fields.insert(0, LabelField(name, path, threshold=threshold))
+            comments[name] = (f"the label: {'named by --label' if named else 'guessed: booleans or 0/1'}; "
+                              f"{_share_true(leaf.values):.1%} positive in the sample"
+                              + ("" if threshold is None else "; not 0/1, so >= 0.5 counts as a click"))
+            continue
+        f, comment = _guess_one(name, path, leaf, n, have_time)
+        have_time |= isinstance(f, EventTimeField)
+        fields.append(f)
+        comments[name] = comment
+    if not any(isinstance(f, (CategoricalField,)) or (isinstance(f, NumericField) and f.is_key)
+               for f in fields):
+        raise SchemaError(f"{origin}: no field could be a categorical feature; write the schema by hand")
+    return fields, comments
+
+
+def _label_candidate(leaves: dict[str, _Leaf]) -> str | None:
+    binary = [p for p, leaf in leaves.items() if leaf.values and _is_binary(leaf.values)]
+    named = [p for p in binary if p.rsplit(".", 1)[-1].lower() in LABEL_NAMES]
+    return (named or binary or [None])[0]
+
+
+def _is_binary(values: list[Any]) -> bool:
+    return all(v is True or v is False or (type(v) is int and v in (0, 1)) for v in values)
+
+
+def _share_true(values: list[Any]) -> float:
+    numeric = [float(v) for v in values if isinstance(v, (bool, int, float))]
+    return float(np.mean(numeric)) if numeric else float("nan")
+
+
+def _field_name(path: str, taken: set[str]) -> str:
+    base = re.sub(r"[^A-Za-z0-9_]", "_", path.rsplit(".", 1)[-1]) or "field"
+    if base in taken:
+        base = re.sub(r"[^A-Za-z0-9_]", "_", path)
+    name, k = base, 2
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    return name
+
+
+def _guess_one(name: str, path: str, leaf: _Leaf, n: int, have_time: bool) -> tuple[Field, str]:
+    values, optional = leaf.values, leaf.missing > 0
+    missing_note = f"; missing in {leaf.missing:,} of {n:,} records: optional" if optional else ""
+    if not values:
+        return IgnoreField(name, path), "always missing or null in the sample"
+    kinds = {_kind_of(v) for v in values}
+    if "list" in kinds:
+        lengths = [len(v) for v in values if isinstance(v, list)]
+        return IgnoreField(name, path), (f"a list of {min(lengths)}-{max(lengths)} items: a multi-hot "
+                                         "feature, not decoded yet (multi_hot comes with jagged keys)")
+    if "object" in kinds or len(kinds - {"int", "float"}) > 1:
+        if kinds <= {"str", "int", "float", "bool"}:
+            return (CategoricalField(name, path, optional=optional),
+                    f"mixed {'/'.join(sorted(kinds))} values: hashed as tokens{missing_note}")
+        return IgnoreField(name, path), f"values of mixed shape ({', '.join(sorted(kinds))})"
+    distinct = len(set(map(repr, values)))
+    if kinds == {"str"}:
+        fmt = _time_format(values) if not have_time else None
+        if fmt is not None:
+            return (EventTimeField(name, path, format=fmt),
+                    f"time strings in the format {fmt} (UTC): the event time"
+                    + ("; missing in some records: they are rejected" if optional else ""))
+        if distinct >= ID_UNIQUE_SHARE * len(values) and len(values) >= 20:
+            return IgnoreField(name, path), (f"{distinct:,} distinct of {len(values):,}: unique per record "
+                                             "(an id), it teaches nothing")
+        return CategoricalField(name, path, optional=optional), f"strings, {distinct:,} distinct{missing_note}"
+    if kinds == {"bool"}:
+        return CategoricalField(name, path, optional=optional), f"true/false{missing_note}"
+    numbers = np.array(values, dtype=np.float64)
+    lo, hi = float(numbers.min()), float(numbers.max())
+    if not have_time and TIME_NAMES.search(path):
+        unit = "ms" if 1e12 <= lo and hi < 1e14 else "s" if 1e9 <= lo and hi < 1e11 else None
+        if unit is not None:
+            return (EventTimeField(name, path, unit=unit),
+                    f"numbers {lo:.0f}..{hi:.0f}: epoch {'milliseconds' if unit == 'ms' else 'seconds'}, "
+                    "the event time" + ("; missing in some records: they are rejected" if optional else ""))
+    if kinds == {"int"} and distinct <= MAX_CATEGORICAL_INTS:
+        return (CategoricalField(name, path, optional=optional),
+                f"integers {lo:.0f}..{hi:.0f}, {distinct} distinct: categorical{missing_note}")
+    mean, std = float(numbers.mean()), float(numbers.std())
+    median = float(np.median(numbers))
+    if lo >= 0 and hi > 10 * max(median, 1e-12) and hi > 1:
+        return (NumericField(name, path, transform="log1p", optional=optional),
+                f"numbers {lo:g}..{hi:g}, median {median:g}: heavy-tailed, log1p{missing_note}")
+    if kinds == {"int"} and distinct >= ID_UNIQUE_SHARE * len(values) and len(values) >= 20:
+        return IgnoreField(name, path), f"{distinct:,} distinct integers of {len(values):,}: an id"
+    if std == 0 or not math.isfinite(std):
+        return IgnoreField(name, path), f"always {lo:g} in the sample: no information"
+    return (NumericField(name, path, transform="standardize", mean=round(mean, 6), std=float(f"{std:.6g}"),
+                         optional=optional),
+            f"numbers {lo:g}..{hi:g}: standardized with the sample's mean and std{missing_note}")
+
+
+def _kind_of(v: Any) -> str:
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "int"
+    if isinstance(v, float):
+        return "float"
+    if isinstance(v, str):
+        return "str"
+    if isinstance(v, list):
+        return "list"
+    return "object"
+
+
+def _time_format(values: list[str]) -> str | None:
+    sample = values[:200]
+    for fmt in TIME_FORMATS:
+        try:
+            for v in sample:
+                datetime.strptime(v, fmt).replace(tzinfo=timezone.utc)
+        except ValueError:
+            continue
+        if all(len(v) == len(sample[0]) for v in sample):
+            return fmt
+    return None

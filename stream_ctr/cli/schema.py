@@ -1,0 +1,75 @@
+"""`stream-ctr schema infer SOURCE`: a schema guessed from a sample, as commented TOML on stdout."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from stream_ctr.config import ConfigError
+
+INFER_EPILOG = """examples:
+  stream-ctr schema infer json:clicks.jsonl --label clicked > schema.toml
+  stream-ctr train json:clicks.jsonl --schema schema.toml --holdout-fraction 0.1
+  stream-ctr schema infer csv:impressions.csv.gz --records 50000 --out schema.toml"""
+
+
+def add_schema_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("schema", help="declared schemas of your own logs: infer one from a sample")
+    ssub = p.add_subparsers(dest="schema_command", required=True, metavar="COMMAND")
+    i = ssub.add_parser("infer", help="print a schema (TOML) guessed from the first records of a file",
+                        description="Read a sample of SOURCE and print a schema for it, one comment per "
+                                    "field explaining the guess. It trains as it is (--schema FILE); "
+                                    "edit it to change what a field becomes.",
+                        epilog=INFER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    i.add_argument("source", help="json:PATH (one JSON object per line) or csv:PATH (first line: the "
+                   "column names); plain or gzip")
+    i.add_argument("--records", type=int, default=10_000, metavar="N",
+                   help="records to sample from the start of the file (default 10,000)")
+    i.add_argument("--label", metavar="FIELD", help="the label's field (JSON: its dotted path); "
+                   "default: a field of booleans or 0/1 values")
+    i.add_argument("--out", metavar="FILE", help="write the schema here instead of stdout")
+    i.add_argument("--quiet", action="store_true", help="no summary line on stderr")
+    i.set_defaults(func=cmd_schema_infer)
+
+
+def cmd_schema_infer(args: argparse.Namespace) -> int:
+    from stream_ctr.connectors.schema import SchemaError
+    from stream_ctr.connectors.schema_infer import format_inferred, infer_schema
+    encoding, path = _source(args.source)
+    if args.records < 1:
+        raise ConfigError(f"--records must be >= 1, got {args.records}")
+    try:
+        schema, comments = infer_schema(path, encoding, args.records, args.label)
+    except SchemaError as exc:
+        raise ConfigError(str(exc)) from None
+    text = format_inferred(schema, comments, args.source, args.records)
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    if not args.quiet:
+        print(f"stream-ctr: {schema.n_keys} key columns, {schema.n_dense} dense, label "
+              f"{schema.label.name!r}, event time "
+              f"{schema.event_time.name if schema.event_time else 'none'}"
+              + (f"; written to {args.out}" if args.out else ""), file=sys.stderr)
+    return 0
+
+
+def _source(spec: str) -> tuple[str, Path]:
+    prefix, colon, rest = spec.partition(":")
+    if colon and prefix.lower() in ("json", "csv"):
+        encoding, path = prefix.lower(), Path(rest).expanduser()
+    else:
+        path = Path(spec).expanduser()
+        name = path.name.lower().removesuffix(".gz")
+        if name.endswith((".json", ".jsonl", ".ndjson")):
+            encoding = "json"
+        elif name.endswith((".csv", ".tsv", ".txt")):
+            encoding = "csv"
+        else:
+            raise ConfigError(f"schema infer: cannot tell the encoding of {spec!r}; write json:{spec} "
+                              f"or csv:{spec}")
+    if not path.is_file():
+        raise ConfigError(f"schema infer: no such file: {path}")
+    return encoding, path

@@ -1,0 +1,46 @@
+"""Schema inference from a sample: kinds, comments, and a result that parses."""
+import json
+
+import pytest
+
+from stream_ctr.connectors.schema import (CategoricalField, EventTimeField, IgnoreField, LabelField,
+                                          NumericField, SchemaError)
+from stream_ctr.connectors.schema_infer import infer_schema
+from stream_ctr.connectors.synth_json import write_synthetic_json
+
+
+def test_json_ad_log(tmp_path):
+    path = tmp_path / "log.jsonl"
+    write_synthetic_json(path, 3000)
+    schema, comments = infer_schema(path, "json", 2000)
+    kinds = {f.name: f for f in schema.fields}
+    assert isinstance(kinds["clicked"], LabelField) and "positive" in comments["clicked"]
+    assert isinstance(kinds["ts"], EventTimeField) and kinds["ts"].unit == "ms"
+    assert isinstance(kinds["event_id"], IgnoreField) and "unique" in comments["event_id"]
+    assert isinstance(kinds["history"], IgnoreField) and "multi-hot" in comments["history"]
+    assert kinds["os"] == CategoricalField("os", "device.os")
+    assert isinstance(kinds["position"], CategoricalField) and "10 distinct" in comments["position"]
+    assert isinstance(kinds["price"], NumericField)
+    assert all(f.name in comments for f in schema.fields)
+
+
+def test_csv_with_header_time_strings_and_missing_values(tmp_path):
+    rows = ["y;site;amount;when"] + [f"{i % 2};s{i % 7};{'' if i % 5 == 0 else i * 3.5};"
+                                     f"2024-01-0{1 + i % 9} 10:00:0{i % 10}" for i in range(200)]
+    path = tmp_path / "log.csv"
+    path.write_text("\n".join(rows) + "\n")
+    schema, comments = infer_schema(path, "csv", 100)
+    assert (schema.delimiter, schema.header) == (";", True)
+    kinds = {f.name: f for f in schema.fields}
+    assert isinstance(kinds["y"], LabelField)
+    assert kinds["when"] == EventTimeField("when", "when", format="%Y-%m-%d %H:%M:%S")
+    assert kinds["amount"].optional and "optional" in comments["amount"]
+
+
+def test_label_is_needed(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join(json.dumps({"a": f"x{i % 5}", "b": i * 1.5}) for i in range(50)))
+    with pytest.raises(SchemaError, match="--label FIELD"):
+        infer_schema(path, "json")
+    schema, _ = infer_schema(path, "json", label="b")
+    assert schema.label == LabelField("b", "b", threshold=0.5)
