@@ -175,10 +175,14 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
                                    "file order), from which any split's Bayes AUC follows; `train` "
                                    "reports it as test bayes_auc when the sidecar is there.")
     p.add_argument("output", help="output path (.gz for gzip)")
+    p.add_argument("--format", choices=["criteo", "json"], default="criteo",
+                   help="criteo: TSV lines; json: an ad log, one JSON impression a line (nested "
+                        "device, ms timestamp, price, a 0-50 id click history, boolean 'clicked'; "
+                        "connectors/synth_json.py) to train with --schema (default criteo)")
     p.add_argument("--records", type=int, default=1_000_000, help="rows to write (default 1,000,000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the ids, the teacher and the labels "
                    "(default 0; the same seed writes the same file)")
-    p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids (default 1.05)")
+    p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids, criteo format (default 1.05)")
     _add_common(p)
     p.set_defaults(func=cmd_synth)
 
@@ -369,13 +373,19 @@ def read_schema_file(path: str) -> str:
 def cmd_synth(args: argparse.Namespace) -> int:
     import time
     from stream_ctr.connectors.synth import probs_path, write_synthetic_criteo
+    from stream_ctr.connectors.synth_json import write_synthetic_json
     t0 = time.perf_counter()
-    n = write_synthetic_criteo(args.output, args.records, seed=args.seed, zipf_exponent=args.zipf,
-                               gzip=str(args.output).endswith(".gz"))
+    gzip = str(args.output).endswith(".gz")
+    if args.format == "json":
+        n = write_synthetic_json(args.output, args.records, seed=args.seed, gzip=gzip)
+    else:
+        n = write_synthetic_criteo(args.output, args.records, seed=args.seed, zipf_exponent=args.zipf,
+                                   gzip=gzip)
     dt = time.perf_counter() - t0
     probs = str(probs_path(args.output))
-    emit(args, {"path": args.output, "records": n, "seconds": dt, "probs": probs},
-         f"wrote {n:,} synthetic Criteo records to {args.output} in {dt:.1f} s "
+    what = "JSON ad-log" if args.format == "json" else "Criteo"
+    emit(args, {"path": args.output, "format": args.format, "records": n, "seconds": dt, "probs": probs},
+         f"wrote {n:,} synthetic {what} records to {args.output} in {dt:.1f} s "
          f"(true click probabilities: {probs})")
     return 0
 

@@ -5,8 +5,6 @@ import sys
 
 import pytest
 
-from stream_ctr.connectors.synth_json import write_synthetic_json
-
 CLI = [sys.executable, "-m", "stream_ctr"]
 
 
@@ -22,7 +20,8 @@ def last_json(out: subprocess.CompletedProcess) -> dict:
 @pytest.fixture(scope="module")
 def ad_log(tmp_path_factory):
     path = tmp_path_factory.mktemp("log") / "clicks.jsonl"
-    write_synthetic_json(path, 20_000, seed=5)
+    out = run("synth", "--format", "json", path, "--records", "20000", "--seed", "5", "--json")
+    assert last_json(out)["records"] == 20_000
     return path
 
 
@@ -36,7 +35,8 @@ def test_inferred_schema_trains_as_is_and_learns(ad_log, tmp_path):
     summary = last_json(run("train", f"json:{ad_log}", "--schema", schema, "--holdout-fraction", "0.1",
                             "--batch-size", "256", "--run-dir", run_dir, "--json", "--quiet"))
     assert summary["records_trained"] == 18_000 and summary["records_rejected"] == 0
-    assert summary["test_auc"] > 0.65           # Bayes AUC of this log is ~0.8
+    assert summary["test_bayes_auc"] > 0.75     # the sidecar of the synthetic log: the ceiling
+    assert summary["test_auc"] > 0.65           # well above chance; 20K records are few for ~30K ids
     # eval, resume and predict decode with the schema stored in the checkpoint: no --schema.
     held = last_json(run("eval", run_dir, "--json", "--quiet"))
     assert held["records"] == 2000 and abs(held["auc"] - summary["test_auc"]) < 1e-9
