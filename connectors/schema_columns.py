@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from stream_ctr.connectors import json_scan
 from stream_ctr.connectors.decode import days_from_civil, parse_ints
 from stream_ctr.connectors.decode_tables import criteo_buckets
 from stream_ctr.connectors.hashing import field_salt, hash_ints, hash_spans, hash_strings, mix64, word_view, GOLDEN
@@ -58,9 +59,56 @@ class TextColumn:
         return self.buf[self.starts[row]:self.ends[row]].tobytes().decode("utf-8", errors="replace")
 
 
-def raw_value(raw: TextColumn | list[Any], row: int) -> Any:
+@dataclass
+class JsonSpans:
+    """One path's values in scanned JSON lines (connectors/json_scan.py): a type tag per row,
+    the value's byte span in `buf` (a string's without quotes), a number's float64 value,
+    whether that value is exact and whether the number was written as an integer."""
+    buf: np.ndarray
+    tag: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    number: np.ndarray
+    exact: np.ndarray
+    is_int: np.ndarray
+    path: str = ""
+    line_spans: np.ndarray | None = None     # int64 [n, 2]: each row's line in `buf` (for details)
+
+    def __len__(self) -> int:
+        return len(self.tag)
+
+    def text(self, row: int) -> str:
+        return self.buf[self.starts[row]:self.ends[row]].tobytes().decode("ascii")
+
+    def value(self, row: int) -> Any:
+        """The row's value as the JSON parser gives it (a placeholder for objects and lists)."""
+        t = int(self.tag[row])
+        if t == json_scan.STRING:
+            return self.text(row)
+        if t == json_scan.NUMBER:
+            return int(self.text(row)) if self.is_int[row] else float(self.text(row))
+        if t in (json_scan.OBJECT, json_scan.ARRAY):
+            return self._container(row)
+        return {json_scan.TRUE: True, json_scan.FALSE: False}.get(t)
+
+    def _container(self, row: int) -> Any:
+        """An object or list value, parsed from its line (only for a reject's detail)."""
+        import json
+        if self.line_spans is None:
+            return {} if self.tag[row] == json_scan.OBJECT else []
+        s, e = self.line_spans[row]
+        value = json.loads(self.buf[s:e].tobytes())
+        for part in self.path.split("."):
+            value = value[part]
+        return value
+
+    def values(self) -> list[Any]:
+        return [self.value(i) for i in range(len(self))]
+
+
+def raw_value(raw: TextColumn | JsonSpans | list[Any], row: int) -> Any:
     """The raw value of one row, for a reject's detail."""
-    return raw.value(row) if isinstance(raw, TextColumn) else raw[row]
+    return raw.value(row) if isinstance(raw, (TextColumn, JsonSpans)) else raw[row]
 
 
 def scalar_token(value: Any) -> bytes | None:
@@ -113,9 +161,17 @@ def _text_column(data: bytes, lengths: np.ndarray) -> TextColumn:
     return TextColumn(buf, ends - lengths, ends)
 
 
-def as_text(raw: TextColumn | list[Any]) -> tuple[TextColumn, np.ndarray]:
+def as_text(raw: TextColumn | JsonSpans | list[Any]) -> tuple[TextColumn, np.ndarray]:
     if isinstance(raw, TextColumn):
         return raw, np.where(raw.missing, MISSING, OK).astype(np.int8)
+    if isinstance(raw, JsonSpans):
+        fraction = (raw.tag == json_scan.NUMBER) & ~raw.is_int
+        if fraction.any():              # a float's token is its repr (1.50 -> "1.5"), as parsed
+            return text_of_values(raw.values())
+        status = np.where((raw.tag == json_scan.ABSENT) | (raw.tag == json_scan.NULL), MISSING,
+                          np.where(raw.tag >= json_scan.OBJECT, BAD, OK)).astype(np.int8)
+        spans = status == OK
+        return TextColumn(raw.buf, np.where(spans, raw.starts, 0), np.where(spans, raw.ends, 0)), status
     return text_of_values(raw)
 
 
@@ -123,6 +179,8 @@ def numbers(raw: TextColumn | list[Any], words: bool = False) -> tuple[np.ndarra
     """(float64 values, status) of a column; with `words`, true/false/yes/no count as 1/0."""
     if isinstance(raw, TextColumn):
         return _numbers_of_text(raw, words)
+    if isinstance(raw, JsonSpans):
+        return _numbers_of_spans(raw, words)
     n = len(raw)
     try:
         values = np.array(raw, dtype=np.float64)       # None -> nan; numeric strings parse too
@@ -155,6 +213,17 @@ def _one_number(v: Any, words: bool) -> tuple[float, int]:
             return 0.0, BAD
         return (x, OK) if np.isfinite(x) else (0.0, BAD)
     return 0.0, BAD
+
+
+def _numbers_of_spans(raw: JsonSpans, words: bool) -> tuple[np.ndarray, np.ndarray]:
+    tag = raw.tag
+    values = np.where(tag == json_scan.NUMBER, raw.number, (tag == json_scan.TRUE).astype(np.float64))
+    status = np.where((tag == json_scan.ABSENT) | (tag == json_scan.NULL), MISSING,
+                      np.where(tag >= json_scan.OBJECT, BAD, OK)).astype(np.int8)
+    python = ((tag == json_scan.NUMBER) & ~raw.exact) | (tag == json_scan.STRING)
+    for i in np.flatnonzero(python).tolist():        # rare: long numbers, numbers as strings
+        values[i], status[i] = _one_number(raw.value(i), words)
+    return values, status
 
 
 def _numbers_of_text(col: TextColumn, words: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -4,11 +4,13 @@
 contract (whole lines in, one Batch row or one `Rejected` per line out,
 offsets ``first_offset + line index``), for any schema.
 
-- JSON: each line is parsed to Python objects (orjson when installed, ~1.5-2x
-  the stdlib's speed; the per-line parse is the one per-record step), then
-  each declared path is pulled out as a column and converted vectorized
-  (`schema_columns`).  Invalid JSON is rejected as ``bad_json``, a line that
-  is not an object as ``not_an_object``.
+- JSON: a compiled scan (`json_scan`) finds each declared path's value span in
+  every line it is sure of (no escapes, ASCII, plain grammar) without building
+  Python objects; the other lines are parsed one by one (orjson, 1.5x the
+  stdlib's speed), each declared path pulled out as a column.  Both feed the
+  same vectorized converters (`schema_columns`) and give the same rows.
+  Invalid JSON is rejected as ``bad_json``, a line that is not an object as
+  ``not_an_object``.  STREAM_CTR_NO_JIT=1 turns the scan off.
 - csv: separators are found with one vectorized pass, as in `decode`; a line
   with the wrong number of fields is rejected as ``field_count``.  Fields are
   split at every delimiter: quoting (a delimiter inside quotes) is not
@@ -20,12 +22,13 @@ A field's failure is rejected as ``missing:FIELD`` or ``bad_value:FIELD``
 from __future__ import annotations
 
 import importlib
+import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from stream_ctr.connectors import schema_columns as col
+from stream_ctr.connectors import json_scan, schema_columns as col
 from stream_ctr.connectors.batch import Batch, Rejected
 from stream_ctr.connectors.decode import line_buffer
 from stream_ctr.connectors.schema import (CategoricalField, EventTimeField, Field, IgnoreField, LabelField,
@@ -42,17 +45,20 @@ except ImportError:                     # pragma: no cover - orjson is a depende
 
 @contextmanager
 def json_parser(name: str) -> Iterator[None]:
-    """Decode with the stdlib's parser ("json") or orjson inside the block (bench and tests)."""
-    global _loads, _JSONError
-    saved = _loads, _JSONError
+    """Inside the block, parse every JSON line with the stdlib's parser ("json") or orjson,
+    without the compiled scan (bench and tests: the per-line path is the reference)."""
+    global _loads, _JSONError, _SCAN
+    saved = _loads, _JSONError, _SCAN
     module = importlib.import_module(name)
-    _loads, _JSONError = module.loads, module.JSONDecodeError
+    _loads, _JSONError, _SCAN = module.loads, module.JSONDecodeError, False
     try:
         yield
     finally:
-        _loads, _JSONError = saved
+        _loads, _JSONError, _SCAN = saved
 
 _LF, _CR = 10, 13
+# The compiled JSON scan, unless STREAM_CTR_NO_JIT=1 (then every line takes the per-line parser).
+_SCAN = os.environ.get("STREAM_CTR_NO_JIT", "") != "1"
 _EXPECTED = {"label": "0/1 or true/false (or a number, with threshold)", "weight": "a number >= 0",
              "categorical": "a string, number or boolean", "numeric": "a number",
              "event_time": "a time"}
@@ -68,24 +74,32 @@ def decode_records(data: bytes, schema: Schema, partition: str, first_offset: in
     `skip_empty_lines` a blank line is neither (Kafka's rule: no record).
     """
     if schema.encoding == "json":
-        n_lines, rows, raw_of, line_bytes, line_reasons = _json_block(data)
+        groups, line_bytes, line_reasons = (_json_scanned(data, schema) if _SCAN
+                                            else _json_block(data))
     else:
-        n_lines, rows, raw_of, line_bytes, line_reasons = _csv_block(data, schema)
-    cols = _convert(schema, raw_of, len(rows))
-    ok = cols.failed_field < 0
+        groups, line_bytes, line_reasons = _csv_block(data, schema)
     rejected = [Rejected(partition, first_offset + i, reason, line_bytes(i))
                 for i, reason in line_reasons
                 if not (skip_empty_lines and reason == "empty")]
-    for r in np.flatnonzero(~ok).tolist():
-        reason, detail = cols.reject_reason(r)
-        i = int(rows[r])
-        rejected.append(Rejected(partition, first_offset + i, reason, line_bytes(i), detail))
+    kept: list[tuple[np.ndarray, _Converted, np.ndarray]] = []
+    for rows, raw_of in groups:
+        cols = _convert(schema, raw_of, len(rows))
+        ok = cols.failed_field < 0
+        for r in np.flatnonzero(~ok).tolist():
+            reason, detail = cols.reject_reason(r)
+            i = int(rows[r])
+            rejected.append(Rejected(partition, first_offset + i, reason, line_bytes(i), detail))
+        kept.append((rows, cols, np.flatnonzero(ok)))
     rejected.sort(key=lambda x: x.offset)
-    keep = np.flatnonzero(ok)
-    batch = Batch(labels=cols.labels[keep], dense=cols.dense[keep], keys=cols.keys[keep],
-                  event_time_ms=cols.event_time_ms[keep], partition=np.zeros(len(keep), np.int32),
-                  offset=rows[keep] + first_offset, partitions=(partition,))
-    return batch, rejected
+    rows = np.concatenate([r[keep] for r, _, keep in kept])
+    order = np.argsort(rows, kind="stable") if len(kept) > 1 else np.arange(len(rows))
+
+    def column(name: str) -> np.ndarray:
+        return np.concatenate([getattr(c, name)[keep] for _, c, keep in kept])[order]
+
+    return Batch(labels=column("labels"), dense=column("dense"), keys=column("keys"),
+                 event_time_ms=column("event_time_ms"), partition=np.zeros(len(rows), np.int32),
+                 offset=rows[order] + first_offset, partitions=(partition,)), rejected
 
 
 # ------------------------------------------------------------------ JSON lines
@@ -117,7 +131,52 @@ def _json_block(data: bytes):
     def line_bytes(i: int) -> bytes:
         return lines[i].rstrip(b"\r")
 
-    return len(lines), rows, raw_of, line_bytes, sorted(bad.items())
+    return [(rows, raw_of)], line_bytes, sorted(bad.items())
+
+
+def _json_scanned(data: bytes, schema: Schema):
+    """The compiled scan (`json_scan`) for the lines it is sure of; the per-line parser for the rest."""
+    buf, n_bytes = line_buffer(data)
+    lfs = np.flatnonzero(buf[:n_bytes] == _LF)
+    line_start = np.concatenate([[0], lfs[:-1] + 1]).astype(np.int64)
+    paths = sorted({f.path for f in schema.fields if f.path})
+    trie = _trie(paths)
+    status, tag, starts, ends, number, exact, is_int = json_scan.scan_lines(buf, line_start, lfs, trie)
+    fast = np.flatnonzero(status == json_scan.FAST)
+    slow = np.flatnonzero(status == json_scan.SLOW)
+    index = {p: j for j, p in enumerate(paths)}
+
+    line_spans = np.stack([line_start[fast], lfs[fast]], axis=1)
+
+    def raw_of(path: str) -> col.JsonSpans:
+        j = index[path]
+        return col.JsonSpans(buf, tag[fast, j], starts[fast, j], ends[fast, j], number[fast, j],
+                             exact[fast, j], is_int[fast, j], path, line_spans)
+
+    def line_bytes(i: int) -> bytes:
+        s, e = int(line_start[i]), int(lfs[i])
+        e -= e > s and buf[e - 1] == _CR
+        return buf[s:e].tobytes()
+
+    groups = [(fast.astype(np.int64), raw_of)]
+    bad = [(int(i), "empty") for i in np.flatnonzero(status == json_scan.EMPTY)]
+    if len(slow):
+        slow_data = b"".join(buf[line_start[i]:lfs[i] + 1].tobytes() for i in slow.tolist())
+        slow_groups, _, slow_bad = _json_block(slow_data)
+        (slow_rows, slow_raw), = slow_groups
+        groups.append((slow[slow_rows], slow_raw))
+        bad += [(int(slow[i]), reason) for i, reason in slow_bad]
+    return groups, line_bytes, sorted(bad)
+
+
+_TRIES: dict[tuple[str, ...], Any] = {}
+
+
+def _trie(paths: list[str]):
+    key = tuple(paths)
+    if key not in _TRIES:
+        _TRIES[key] = json_scan.PathTrie(paths)
+    return _TRIES[key]
 
 
 def _parse_one_by_one(lines: list[bytes]) -> tuple[list[Any], dict[int, str]]:
@@ -182,7 +241,7 @@ def _csv_block(data: bytes, schema: Schema):
         e -= e > s and buf[e - 1] == _CR
         return buf[s:e].tobytes()
 
-    return len(lfs), rows, raw_of, line_bytes, bad
+    return [(rows, raw_of)], line_bytes, bad
 
 
 # ------------------------------------------------------------------ fields -> columns

@@ -11,4 +11,5 @@ def test_bench_decode_measures_every_layout(capsys):
     layouts = {(r["layout"], r["decoder"].split(",")[0]) for r in out["rows"]}
     assert {("criteo", "fast path"), ("criteo", "schema (built-in)"), ("avazu", "fast path"),
             ("json ad log", "schema")} <= layouts
+    assert any(r["decoder"] == "schema, compiled scan" for r in out["rows"])
     assert all(r["records"] == 3000 and r["records_per_s"] > 0 for r in out["rows"])
