@@ -69,6 +69,16 @@ def init_distributed(device: torch.device, timeout_s: float, backend: str = "aut
         raise ConfigError("distributed.backend nccl needs a CUDA device (train.device); use gloo on CPU")
     if device.type == "cuda":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    # torch.distributed.nn.functional binds `group=group.WORLD` as its functions'
+    # default when it is imported, and torch imports it lazily (Run's
+    # use_deterministic_algorithms -> torch._inductor -> ... -> torch.distributed._shard).
+    # Imported after init_process_group, those defaults pin the job's group for good:
+    # destroy_process_group cannot free it, so gloo's worker threads live on into
+    # interpreter exit, and one that drops the last collective's work there (its
+    # tensors are Python objects: that needs the GIL) is killed mid-destructor ->
+    # "terminate called without an active exception", SIGABRT. Imported first, the
+    # defaults are None and `shutdown` really stops the group's threads.
+    import torch.distributed.nn  # noqa: F401
     if not dist.is_initialized():
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
@@ -80,6 +90,8 @@ def init_distributed(device: torch.device, timeout_s: float, backend: str = "aut
 
 
 def shutdown() -> None:
+    """Destroy the process group: its backend's threads are joined here, before the
+    interpreter exits (see `init_distributed` for what must not keep it alive)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
