@@ -10,7 +10,9 @@ whether it was read from a file or from a topic):
   fetch);
 - json: one JSON object per message whose keys are the format's field names
   (``{"label": 1, "I1": 5, ..., "C26": "3b183c6c"}``; a missing key or null is
-  a missing value).
+  a missing value);
+- under a declared schema (data.schema): the schema's encoding, one record or
+  several LF-separated per message (`schema_messages`).
 
 All messages of a fetch are joined into one buffer and decoded by one
 vectorized call; Python loops run only over rejected records.  JSON costs
@@ -31,6 +33,8 @@ import numpy as np
 from stream_ctr.connectors.batch import Batch, Rejected
 from stream_ctr.connectors.decode import decode_buffer
 from stream_ctr.connectors.formats import RecordFormat
+from stream_ctr.connectors.kafka.schema_messages import decode_schema_messages
+from stream_ctr.connectors.schema import Schema
 
 EMPTY_MESSAGE, BAD_JSON = "empty_message", "bad_json"
 _SLACK = bytes(8)                   # after the joined values: the decoder's word reads stay inside
@@ -45,7 +49,7 @@ class DecodedMessages:
 
 
 def decode_messages(values: list[bytes], msg_partition: np.ndarray, msg_offset: np.ndarray,
-                    msg_time_ms: np.ndarray, partitions: tuple[str, ...], fmt: RecordFormat,
+                    msg_time_ms: np.ndarray, partitions: tuple[str, ...], fmt: RecordFormat | Schema,
                     value_format: str = "text") -> DecodedMessages:
     """Decode message `values` (message i is at `msg_offset[i]` of partition
     `partitions[msg_partition[i]]`, produced at `msg_time_ms[i]`).
@@ -55,6 +59,8 @@ def decode_messages(values: list[bytes], msg_partition: np.ndarray, msg_offset: 
     message with no line at all is rejected as ``empty_message``.  Empty
     lines (a message's trailing LF, blank lines) are no records.
     """
+    if isinstance(fmt, Schema):                     # a declared schema: its encoding decides
+        return decode_schema_messages(values, msg_partition, msg_offset, msg_time_ms, partitions, fmt)
     raw_values, bad_json = values, []
     if value_format == "json":
         values, bad_json = json_to_lines(values, fmt)

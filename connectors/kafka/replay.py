@@ -96,7 +96,8 @@ ProgressFn = Callable[[int, int, float, int], None]    # (records, bytes, second
 
 def replay_file(source: str, to: str, rate: float = 0.0, key: str = "none", resume: int = 0,
                 packed: int = 1, limit: int = 0, partitions: int = 0,
-                progress: ProgressFn | None = None, retry_s: float | None = None) -> ReplaySummary:
+                progress: ProgressFn | None = None, retry_s: float | None = None,
+                schema: str = "") -> ReplaySummary:
     """Produce the data lines of `source` (a path or FORMAT:PATH) to the topic of `to`.
 
     `rate` caps records/s (0 = as fast as possible); `limit` stops after that
@@ -106,7 +107,7 @@ def replay_file(source: str, to: str, rate: float = 0.0, key: str = "none", resu
     stops after acknowledging what was sent and reports it (``interrupted``).
     ReplayError if sending or reading fails (see the module docstring).
     """
-    fmt, path = detect_format(source)
+    fmt, path = detect_format(source, schema)       # `schema`: TOML text, for json:/csv: files
     url = parse_kafka_url(to)
     if len(url.topics) != 1:
         raise SourceError(f"replay writes one topic; {to!r} names {len(url.topics)}")
@@ -297,6 +298,8 @@ def _data_lines(path, fmt: RecordFormat, resume: int, limit: int):
 
 
 def _check_header(line: bytes, path, fmt: RecordFormat) -> None:
+    if not fmt.field_names:              # a csv schema that takes its columns from the header
+        return
     if line.rstrip(b"\r").decode("utf-8", errors="replace").split(fmt.delimiter) != list(fmt.field_names):
         raise SourceError(f"{path}: first line is not the {fmt.name} header; pick the right format")
 

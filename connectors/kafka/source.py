@@ -90,11 +90,13 @@ import numpy as np
 
 from stream_ctr.connectors.batch import Batch, Positions, Rejected
 from stream_ctr.connectors.files import SourceError
+from stream_ctr.connectors.formats import RecordFormat
 from stream_ctr.connectors.kafka.client import BrokerWatch, connect_consumer
 from stream_ctr.connectors.kafka.client import topic_partition as _tp
 from stream_ctr.connectors.kafka.decode import decode_messages, event_order
 from stream_ctr.connectors.kafka.listener import Listener
 from stream_ctr.connectors.kafka.options import KafkaUrl, check_crc32c, partition_name, start_timestamp_ms
+from stream_ctr.connectors.schema import Schema
 from stream_ctr.connectors.kafka.positions import (Position, PositionBook, commit_metadata, filter_partitions,
                                         from_positions, given_up_positions, parse_commit_metadata,
                                         to_positions)
@@ -148,7 +150,7 @@ class KafkaSource:
 
     def __init__(self, url: KafkaUrl, positions: Positions | None = None,
                  on_revoke: RevokeHook | None = None, chunk_records: int = 65536,
-                 wait_for_peers: bool = False) -> None:
+                 wait_for_peers: bool = False, schema: Schema | None = None) -> None:
         self.url, self.options = url, url.options
         # A rank of a distributed job positions a newly assigned partition only once the
         # job has told it where the other ranks left it (`give_peer_positions`).
@@ -156,7 +158,8 @@ class KafkaSource:
         self._peer: dict[str, Position] = {}
         self._assignments = 0           # non-empty assignments so far
         self._peers_at = 0              # ... when the peers' positions were last given
-        self.fmt = url.options.record_format
+        # A declared schema (data.schema) decodes the values; else the URL's format.
+        self.fmt: RecordFormat | Schema = schema if schema is not None else url.options.record_format
         self.chunk_records = chunk_records
         self.stats = KafkaStats()
         self.crc32c = check_crc32c()

@@ -21,7 +21,10 @@ def add_replay_parser(sub: argparse._SubParsersAction,
                                    "every data line (bad ones too) becomes a message, or packed "
                                    "groups of lines one message. Reports records, bytes and rate, "
                                    "and the data-line offset to --resume from.")
-    p.add_argument("file", help="criteo:PATH, avazu:PATH, a path (plain or gzip), or criteo:sample")
+    p.add_argument("file", help="criteo:PATH, avazu:PATH, a path (plain or gzip), criteo:sample, or "
+                   "json:PATH / csv:PATH with --schema")
+    p.add_argument("--schema", metavar="FILE", help="the declared schema of a json:/csv: file (train the "
+                   "topic with the same --schema)")
     p.add_argument("--to", required=True, metavar="kafka://HOST:PORT/TOPIC", help="target topic")
     p.add_argument("--rate", type=float, default=0.0, help="records/s cap (default: unlimited)")
     p.add_argument("--key", default="none", help="partitioning: none (round robin), line "
@@ -55,9 +58,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
               f"{n_bytes / 1e6 / max(seconds, 1e-9):,.1f} MB/s | next offset {next_offset:,}",
               end=end, file=sys.stderr, flush=True)
 
+    schema = ""
+    if args.schema:
+        from stream_ctr.cli.main import read_schema_file
+        schema = read_schema_file(args.schema)
     s = replay_file(args.file, args.to, rate=args.rate, key=args.key, resume=args.resume,
                     packed=args.packed, limit=args.limit, partitions=args.partitions,
-                    progress=progress)
+                    progress=progress, schema=schema)
     if sys.stderr.isatty() and not args.quiet:
         print(file=sys.stderr)
     if s.created_topic and not args.quiet:

@@ -160,8 +160,10 @@ class DistributedRun(Run):
     def open_source(self):
         if self.stream is not None and self.source is None:
             from stream_ctr.connectors.kafka.source import KafkaSource
+            from stream_ctr.train.streaming import declared_schema
             self.source = KafkaSource(self.stream, positions=self.positions, on_revoke=self._on_revoke,
-                                      chunk_records=self.cfg.data.chunk_records, wait_for_peers=True)
+                                      chunk_records=self.cfg.data.chunk_records, wait_for_peers=True,
+                                      schema=declared_schema(self.cfg))
         return super().open_source()
 
     def file_share(self, source: FileSource):

@@ -27,7 +27,7 @@ from stream_ctr.telemetry.monitor import RunMonitor
 from stream_ctr.telemetry.progress import Progress
 from stream_ctr.train.batches import LookAhead, StopSignal, micro_batches
 from stream_ctr.connectors.kafka.options import KafkaUrl
-from stream_ctr.train.streaming import (StreamBatcher, open_dead_letter, source_format,
+from stream_ctr.train.streaming import (StreamBatcher, declared_schema, open_dead_letter, source_format,
                                   stream_batches, stream_url)
 from stream_ctr.store import resume_store_config
 from stream_ctr.train.trainer import Trainer
@@ -109,7 +109,7 @@ def revoke_hook(run: "Run"):
 def open_kafka_source(run: "Run", url: KafkaUrl) -> "KafkaSource":
     from stream_ctr.connectors.kafka.source import KafkaSource
     return KafkaSource(url, positions=run.positions, on_revoke=revoke_hook(run),
-                       chunk_records=run.cfg.data.chunk_records)
+                       chunk_records=run.cfg.data.chunk_records, schema=declared_schema(run.cfg))
 
 
 def resume_data_config(cfg: Config, saved: Config) -> None:

@@ -22,7 +22,7 @@ from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.dead_letter import DeadLetterFile
 from stream_ctr.connectors.files import detect_format
 from stream_ctr.connectors.formats import RecordFormat
-from stream_ctr.connectors.schema import Schema
+from stream_ctr.connectors.schema import Schema, parse_schema
 from stream_ctr.connectors.kafka.options import KafkaUrl, is_kafka_url, parse_kafka_url
 from stream_ctr.connectors.kafka.positions import filter_partitions
 from stream_ctr.train.batcher import MicroBatcher
@@ -124,9 +124,16 @@ def stream_url(cfg: Config) -> KafkaUrl | None:
 
 
 def source_format(cfg: Config) -> RecordFormat | Schema:
-    """The record format of `cfg.data.source`, file or Kafka (a Schema for json:/csv: files)."""
+    """The record format of `cfg.data.source`, file or Kafka (a Schema when data.schema declares one)."""
     url = stream_url(cfg)
-    return url.options.record_format if url is not None else detect_format(cfg.data.source, cfg.data.schema)[0]
+    if url is None:
+        return detect_format(cfg.data.source, cfg.data.schema)[0]
+    return declared_schema(cfg) or url.options.record_format
+
+
+def declared_schema(cfg: Config) -> Schema | None:
+    """data.schema parsed (it was validated when set), or None."""
+    return parse_schema(cfg.data.schema) if cfg.data.schema.strip() else None
 
 
 def open_dead_letter(cfg: Config, url: KafkaUrl | None):
