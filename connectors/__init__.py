@@ -8,11 +8,14 @@
     schema        a declared feature schema (TOML): field kinds, validation
     schema_decode JSON lines / delimited text under a schema -> Batch;
                   schema_columns its per-kind vectorized converters;
-                  schema_builtin Criteo and Avazu in the schema language
+                  json_scan the compiled scan of JSON lines it uses;
+                  schema_builtin Criteo and Avazu in the schema language;
+                  schema_infer a schema guessed from a sample
     files         file sources (plain or gzip), bundled samples
     read_ahead    a source decoded on a background thread, a bounded queue ahead
     dead_letter   where records that did not decode go
-    synth         synthetic Criteo-format streams with a hidden teacher
+    synth         synthetic Criteo-format streams with a hidden teacher;
+                  synth_json a synthetic JSON ad log
     kafka/        the Kafka consumer source, sink, replay and positions
 
 Depends on numpy (and kafka clients for kafka/), never on the rest of
