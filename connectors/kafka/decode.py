@@ -60,7 +60,8 @@ def decode_messages(values: list[bytes], msg_partition: np.ndarray, msg_offset: 
     lines (a message's trailing LF, blank lines) are no records.
     """
     if isinstance(fmt, Schema):                     # a declared schema: its encoding decides
-        return decode_schema_messages(values, msg_partition, msg_offset, msg_time_ms, partitions, fmt)
+        return DecodedMessages(*decode_schema_messages(values, msg_partition, msg_offset, msg_time_ms,
+                                                       partitions, fmt))
     raw_values, bad_json = values, []
     if value_format == "json":
         values, bad_json = json_to_lines(values, fmt)

@@ -21,8 +21,8 @@ EMPTY_MESSAGE = "empty_message"
 
 def decode_schema_messages(values: list[bytes], msg_partition: np.ndarray, msg_offset: np.ndarray,
                            msg_time_ms: np.ndarray, partitions: tuple[str, ...], schema: Schema):
-    """`decode_messages` for a Schema; returns the same `DecodedMessages`."""
-    from stream_ctr.connectors.kafka.decode import DecodedMessages
+    """`decode_messages` for a Schema: (batch, rejected, rows_per_message, line_in_message), the
+    fields of its `DecodedMessages`."""
     data = b"\n".join(values) + b"\n"
     batch, line_rejects = decode_records(data, schema, "", 0, skip_empty_lines=True)
     raw = np.frombuffer(data, dtype=np.uint8)
@@ -53,7 +53,7 @@ def decode_schema_messages(values: list[bytes], msg_partition: np.ndarray, msg_o
 
     rejected = [at_message(int(line_msg[r.offset]), r.reason, r.raw, r.detail) for r in line_rejects]
     rejected += [at_message(m, EMPTY_MESSAGE, b"") for m in np.flatnonzero(per_message == 0).tolist()]
-    return DecodedMessages(batch, rejected, rows_per_message, line_in_message)
+    return batch, rejected, rows_per_message, line_in_message
 
 
 def _blank_lines(data: bytes, line_start: np.ndarray, lfs: np.ndarray, schema: Schema) -> np.ndarray:

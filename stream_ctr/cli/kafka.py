@@ -60,7 +60,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     schema = ""
     if args.schema:
-        from stream_ctr.cli.main import read_schema_file
+        from stream_ctr.cli.schema import read_schema_file
         schema = read_schema_file(args.schema)
     s = replay_file(args.file, args.to, rate=args.rate, key=args.key, resume=args.resume,
                     packed=args.packed, limit=args.limit, partitions=args.partitions,

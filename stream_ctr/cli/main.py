@@ -296,6 +296,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                           f"(e.g. --batch-size {round(args.scale * 1024)} --scale-from 1024)")
     cfg = load_config(args.config, args.set)
     if args.schema:
+        from stream_ctr.cli.schema import read_schema_file
         cfg.data.schema = read_schema_file(args.schema)
     flags = {"source": ("data.source", args.source), "model": ("model.name", args.model),
              "batch": ("data.batch_size", args.batch_size), "epochs": ("data.epochs", args.epochs),
@@ -349,6 +350,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from stream_ctr.distributed.job_checkpoint import load_any
     from stream_ctr.train.loop import evaluate_checkpoint
+    from stream_ctr.cli.schema import read_schema_file
     result = evaluate_checkpoint(load_any(args.checkpoint), args.checkpoint, args.source,
                                  args.start, args.stop, whole=args.all,
                                  schema=read_schema_file(args.schema) if args.schema else None)
@@ -356,18 +358,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
          f"{result['calibration']:.3f} on {result['records']:,} records: {result['rows']}, lines "
          f"{result['start']:,}-{result['stop']:,} of {result['source']} ({result['checkpoint']})")
     return 0
-
-
-def read_schema_file(path: str) -> str:
-    """--schema FILE: the schema's canonical TOML text (what data.schema holds); ConfigError
-    naming the file and field when it cannot work."""
-    from stream_ctr.config import schema_text
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--schema {path}: cannot read it ({exc})") from None
-    return schema_text(text, path)
 
 
 def cmd_synth(args: argparse.Namespace) -> int:

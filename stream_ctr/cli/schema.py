@@ -1,4 +1,5 @@
-"""`stream-ctr schema infer SOURCE`: a schema guessed from a sample, as commented TOML on stdout."""
+"""`stream-ctr schema infer SOURCE` (a schema guessed from a sample, as commented TOML), and
+reading the --schema FILE of train, eval and replay."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,18 @@ def add_schema_parser(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--out", metavar="FILE", help="write the schema here instead of stdout")
     i.add_argument("--quiet", action="store_true", help="no summary line on stderr")
     i.set_defaults(func=cmd_schema_infer)
+
+
+def read_schema_file(path: str) -> str:
+    """--schema FILE: the schema's canonical TOML text (what data.schema holds); ConfigError
+    naming the file and field when it cannot work."""
+    from stream_ctr.config import schema_text
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--schema {path}: cannot read it ({exc})") from None
+    return schema_text(text, path)
 
 
 def cmd_schema_infer(args: argparse.Namespace) -> int:

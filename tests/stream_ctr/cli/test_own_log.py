@@ -40,6 +40,9 @@ def test_inferred_schema_trains_as_is_and_learns(ad_log, tmp_path):
     # eval, resume and predict decode with the schema stored in the checkpoint: no --schema.
     held = last_json(run("eval", run_dir, "--json", "--quiet"))
     assert held["records"] == 2000 and abs(held["auc"] - summary["test_auc"]) < 1e-9
+    named = last_json(run("eval", run_dir, f"json:{ad_log}", "--schema", schema, "--start", "18000",
+                          "--json", "--quiet"))
+    assert named["records"] == 2000 and named["auc"] == held["auc"]
     resumed = last_json(run("train", "--resume", run_dir, "--json", "--quiet"))
     assert resumed["records_trained"] == 0
     bundle = tmp_path / "bundle"
