@@ -10,8 +10,8 @@ Python objects was most of the JSON decode time.
 The scan only takes what it is sure of.  A line is handed back as `SLOW`,
 and decoded by the per-line parser (orjson) that is the reference, when it
 holds anything this scanner does not check to the letter: a backslash
-(escapes), a byte >= 0x80 (UTF-8 is not validated here), a control character
-in a string, or any deviation from the JSON grammar (which includes every
+(escapes), a control character in a string, text that is not valid UTF-8, or
+any deviation from the JSON grammar (which includes every
 invalid line: the per-line parser names its reject).  A line that is not an
 object (e.g. ``[1, 2]``) is slow too.  So the two paths give the same result
 on every line (tests/connectors/test_json_scan.py compares them).
@@ -105,14 +105,35 @@ def _skip_space(buf, i, stop):
 @njit(cache=True, nogil=True, inline="always")
 def _string_end(buf, i, stop):
     """Index of the closing quote of the string whose content starts at i; -1 if it has a
-    backslash, a control character or a byte >= 0x80 (the slow path checks those) or no end."""
+    backslash or a control character (the slow path checks those), is not valid UTF-8
+    (no overlong forms, no surrogates, at most U+10FFFF), or has no end."""
     while i < stop:
         c = buf[i]
         if c == 34:
             return i
-        if c == 92 or c < 32 or c >= 128:
+        if c == 92 or c < 32:
             return -1
-        i += 1
+        if c < 128:
+            i += 1
+            continue
+        if 0xC2 <= c <= 0xDF:
+            n, lo, hi = 1, 0x80, 0xBF
+        elif 0xE0 <= c <= 0xEF:
+            n = 2
+            lo = 0xA0 if c == 0xE0 else 0x80
+            hi = 0x9F if c == 0xED else 0xBF
+        elif 0xF0 <= c <= 0xF4:
+            n = 3
+            lo = 0x90 if c == 0xF0 else 0x80
+            hi = 0x8F if c == 0xF4 else 0xBF
+        else:
+            return -1
+        if i + n >= stop or buf[i + 1] < lo or buf[i + 1] > hi:
+            return -1
+        for k in range(2, n + 1):
+            if buf[i + k] < 0x80 or buf[i + k] > 0xBF:
+                return -1
+        i += n + 1
     return -1
 
 

@@ -78,7 +78,7 @@ class JsonSpans:
         return len(self.tag)
 
     def text(self, row: int) -> str:
-        return self.buf[self.starts[row]:self.ends[row]].tobytes().decode("ascii")
+        return self.buf[self.starts[row]:self.ends[row]].tobytes().decode("utf-8")
 
     def value(self, row: int) -> Any:
         """The row's value as the JSON parser gives it (a placeholder for objects and lists)."""

@@ -5,7 +5,7 @@ contract (whole lines in, one Batch row or one `Rejected` per line out,
 offsets ``first_offset + line index``), for any schema.
 
 - JSON: a compiled scan (`json_scan`) finds each declared path's value span in
-  every line it is sure of (no escapes, ASCII, plain grammar) without building
+  every line it is sure of (no escapes, valid UTF-8, plain grammar) without building
   Python objects; the other lines are parsed one by one (orjson, 1.5x the
   stdlib's speed), each declared path pulled out as a column.  Both feed the
   same vectorized converters (`schema_columns`) and give the same rows.

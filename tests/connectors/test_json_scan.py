@@ -40,7 +40,8 @@ default = 0
 EDGE_LINES = [
     '{"y": 1, "a": "x", "d": {"os": "ios"}, "n": 1.5, "t": 1700000000}',
     '{"y":0,"a":"x\\"q","n":2}',                       # an escape: per-line path
-    '{"y": 0, "a": "café", "n": 2}',                    # non-ASCII: per-line path
+    '{"y": 0, "a": "café", "n": 2}',                    # UTF-8 text
+    '{"y": 0, "a": "日本 🎉", "n": 2, "é": "x"}',
     '{"y": 1, "a": 1.50, "n": -0}',                     # a float token; integer -0
     '{"y": 1, "a": 7, "n": -0.0, "t": 1.7e9}',
     '{"y": 1, "a": true, "n": 1e400}',                  # inexact: Python's float -> inf -> bad
@@ -111,3 +112,12 @@ values = st.one_of(scalars, st.lists(scalars, max_size=3), st.dictionaries(st.sa
 def test_random_records_decode_the_same_both_ways(records):
     data = ("\n".join(json.dumps(r, ensure_ascii=bool(len(r) % 2)) for r in records) + "\n").encode()
     _assert_same(*_both(data))
+
+
+def test_invalid_utf8_is_the_parsers_to_reject():
+    lines = [b'{"y": 1, "a": "ok"}', b'{"y": 1, "a": "\xff"}', b'{"y": 1, "a": "\xc3"}',
+             b'{"y": 1, "a": "\xed\xa0\x80"}', b'{"y": 1, "a": "\xe0\x80\x80"}',
+             b'{"y": 1, "a": "\xf4\x90\x80\x80"}', b'{"y": 1, "a": "\xf0\x9f\x8e\x89"}']
+    fast, slow = _both(b"\n".join(lines) + b"\n")
+    _assert_same(fast, slow)
+    assert fast[0].offset.tolist() == [5, 11]
