@@ -71,15 +71,22 @@ def infer_schema(path: str | Path, encoding: str, n_records: int = DEFAULT_RECOR
                 lines.append(line)
             if len(lines) > n_records:
                 break
+    return infer_from_lines(lines, encoding, n_records, label, str(path))
+
+
+def infer_from_lines(lines: list[bytes], encoding: str, n_records: int = DEFAULT_RECORDS,
+                     label: str | None = None, origin: str = "sample") -> tuple[Schema, dict[str, str]]:
+    """`infer_schema` of records already read (e.g. from a topic; csv: the first is the header);
+    `origin` names them in errors."""
     if encoding == "json":
         leaves, n, extra = _json_leaves(lines[:n_records])
     else:
         leaves, n, extra = _csv_leaves(lines)
     if n == 0:
-        raise SchemaError(f"{path}: no records to infer a schema from")
-    fields, comments = _guess_fields(leaves, n, label, str(path))
+        raise SchemaError(f"{origin}: no records to infer a schema from")
+    fields, comments = _guess_fields(leaves, n, label, origin)
     schema = Schema(encoding=encoding, fields=tuple(fields), **extra)
-    schema = parse_schema(schema_to_toml(schema), f"inferred from {path}")       # validated
+    schema = parse_schema(schema_to_toml(schema), f"inferred from {origin}")       # validated
     return schema, comments
 
 

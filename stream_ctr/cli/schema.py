@@ -23,7 +23,8 @@ def add_schema_parser(sub: argparse._SubParsersAction) -> None:
                                     "edit it to change what a field becomes.",
                         epilog=INFER_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     i.add_argument("source", help="json:PATH (one JSON object per line) or csv:PATH (first line: the "
-                   "column names); plain or gzip")
+                   "column names), plain or gzip; or kafka://HOST:PORT/TOPIC (JSON message values, read "
+                   "from the earliest offsets without a consumer group)")
     i.add_argument("--records", type=int, default=10_000, metavar="N",
                    help="records to sample from the start of the file (default 10,000)")
     i.add_argument("--label", metavar="FIELD", help="the label's field (JSON: its dotted path); "
@@ -47,12 +48,20 @@ def read_schema_file(path: str) -> str:
 
 def cmd_schema_infer(args: argparse.Namespace) -> int:
     from stream_ctr.connectors.schema import SchemaError
-    from stream_ctr.connectors.schema_infer import format_inferred, infer_schema
-    encoding, path = _source(args.source)
+    from stream_ctr.connectors.schema_infer import format_inferred, infer_from_lines, infer_schema
     if args.records < 1:
         raise ConfigError(f"--records must be >= 1, got {args.records}")
     try:
-        schema, comments = infer_schema(path, encoding, args.records, args.label)
+        if args.source.lower().startswith("kafka://"):
+            from stream_ctr.connectors.kafka.options import parse_kafka_url
+            from stream_ctr.connectors.kafka.sample import sample_records
+            records = sample_records(parse_kafka_url(args.source), args.records)
+            if not records:
+                raise ConfigError(f"schema infer: no records arrived from {args.source}")
+            schema, comments = infer_from_lines(records, "json", args.records, args.label, args.source)
+        else:
+            encoding, path = _source(args.source)
+            schema, comments = infer_schema(path, encoding, args.records, args.label)
     except SchemaError as exc:
         raise ConfigError(str(exc)) from None
     text = format_inferred(schema, comments, args.source, args.records)

@@ -40,3 +40,18 @@ def test_bad_json_records_are_dead_lettered_naming_the_field(kafka, tmp_path):
     assert s.rejected_by_reason == {reason: 1 for reason in bad.values()}
     letters = kafka.dead_letters(f"{topic}.dead-letter")
     assert {(d["offset"], d["reason"]) for d in letters} == {(200 + i, r) for i, r in enumerate(bad.values())}
+
+
+def test_schema_infer_from_a_topic(kafka, tmp_path, capsys):
+    from stream_ctr.cli import main
+    from stream_ctr.connectors.schema import parse_schema
+    path = tmp_path / "log.jsonl"
+    write_synthetic_json(path, 600)
+    topic = kafka.topic(partitions=2)
+    lines = path.read_bytes().splitlines()
+    kafka.produce(topic, [b"\n".join(lines[i:i + 10]) for i in range(0, 600, 10)],
+                  partitions=[i % 2 for i in range(60)])
+    assert main(["schema", "infer", kafka.url(topic), "--records", "500", "--quiet"]) == 0
+    schema = parse_schema(capsys.readouterr().out)
+    assert schema.label.name == "clicked" and schema.event_time.name == "ts"
+    assert "os" in schema.key_fields and schema.n_dense == 1
