@@ -135,6 +135,14 @@ class TrainConfig:
     # progress, the time series and the gauges (sorting 100K scores per batch halved
     # the speed at batch 64); summaries and checkpoints always compute them exactly.
     eval_refresh_s: float = 1.0
+    # The model that is tested, evaluated and exported holds an average of the dense
+    # weights over about this many trained samples (Trainer._update_average; the live
+    # weights still score the prequential metrics and take every step); 0 = the live
+    # weights. The output of a few hundred noisy steps wanders: on the bundled Avazu
+    # sample the live model's mean prediction on its own training rows swung between
+    # 0.74x and 1.22x of their click rate from one checkpoint to the next (BENCHMARKS,
+    # "The evaluated model").
+    average_dense_samples: int = 8_192
     log_every_s: float = 1.0
 
 
@@ -374,6 +382,8 @@ def validate(cfg: Config) -> Config:
         (t.precision in ("auto", "fp32", "bf16"),
          f"train.precision must be auto, fp32 or bf16, got {t.precision!r}"),
         (t.eval_refresh_s >= 0, "train.eval_refresh_s must be >= 0 (0: recompute the window after every batch)"),
+        (t.average_dense_samples >= 0,
+         f"train.average_dense_samples must be >= 0 (0: evaluate the live weights), got {t.average_dense_samples}"),
         (0 <= cfg.metrics.port <= 65535, f"metrics.port must be in [0, 65535], got {cfg.metrics.port}"),
         (bool(cfg.metrics.addr.strip()), "metrics.addr must be an address to bind, e.g. 127.0.0.1"),
         (cfg.metrics.timeseries_every_s >= 0,

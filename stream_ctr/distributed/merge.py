@@ -35,7 +35,8 @@ class DenseMerger:
 
     `after_step(records)` is called by every rank after every lockstep step
     (records = rows it trained, 0 when idle); every k steps it averages the
-    dense parameters (and floating buffers) and, with `merge_moments`, Adam's
+    dense parameters (and floating buffers, and the averaged weights the run
+    evaluates) and, with `merge_moments`, Adam's
     exp_avg / exp_avg_sq, in one flat all-reduce. `flush()` merges now if any
     step happened since the last merge (end of stream, before a checkpoint),
     so every rank then holds the same dense state.
@@ -59,10 +60,14 @@ class DenseMerger:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, k: int,
                  merge_moments: bool, hierarchical: bool = False, node_size: int | None = None,
-                 on_merge=None, timeout_s: float | None = None) -> None:
+                 on_merge=None, timeout_s: float | None = None,
+                 average: torch.nn.Module | None = None) -> None:
         if k < 1:
             raise ValueError(f"merge every k >= 1 steps, got {k}")
         self.model, self.optimizer, self.k = model, optimizer, k
+        # The evaluated average of the dense weights (Trainer.average_model) is merged
+        # with them: otherwise each rank would test and export its own replica's average.
+        self.average = average
         self.merge_moments = merge_moments
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
@@ -84,6 +89,8 @@ class DenseMerger:
         """Parameters, floating buffers and (by flag) Adam's moments, in a fixed order."""
         out = [p.data for p in self.model.parameters()]
         out += [b for b in self.model.buffers() if b.is_floating_point()]
+        if self.average is not None:
+            out += [p.data for p in self.average.parameters()]
         if self.merge_moments:
             for group in self.optimizer.param_groups:
                 for p in group["params"]:

@@ -135,7 +135,7 @@ class DistributedRun(Run):
         self.merger = DenseMerger(self.trainer.model, self.trainer.dense_opt, d.merge_every_k_steps,
                                   d.merge_moments, d.hierarchical, ctx.local_world_size,
                                   on_merge=getattr(self.monitor.metrics, "observe_merge", None),
-                                  timeout_s=ctx.timeout_s)
+                                  timeout_s=ctx.timeout_s, average=self.trainer.average_model)
         self.merger.broadcast_from(0)
         if self.merger.node_group is not None:      # hierarchical: synchronous inside a node
             self.trainer.reduce_dense_grads = self.merger.reduce_gradients

@@ -4,9 +4,15 @@
 mean BCE, backward, dense Adam with warm-up, CowClip + sparse Adam on the rows
 present). Its forward pass runs on the pre-update weights, so the scores it
 returns are the prequential scores of the batch: no second forward needed.
+
+`predict` (the test set, `stream-ctr eval`) and the exported bundle use
+`eval_model`: the dense weights averaged over the last
+train.average_dense_samples samples, with the live rows.
 """
 from __future__ import annotations
 
+import copy
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -78,6 +84,12 @@ class Trainer:
         self.dense_opt = torch.optim.Adam(self.model.parameters(), lr=o.lr_dense,
                                           betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
         self.l2_params = self.model.l2_parameters()
+        # The averaged dense weights for evaluation and export (None when off). Created
+        # here, so every replica merges the same tensors; the first step overwrites them.
+        self.average_model: torch.nn.Module | None = None
+        self.average_updates = 0
+        if cfg.train.average_dense_samples > 0:
+            self.average_model = copy.deepcopy(self.model).requires_grad_(False)
         self.step = 0
         # Hierarchical replicas: called after backward with the records this step trained
         # (0 if skipped); makes the dense gradients the node's mean and returns the node's
@@ -88,6 +100,30 @@ class Trainer:
         for group in self.dense_opt.param_groups:
             group["lr"] = self.dense_lr(step)
         self.dense_opt.step()
+        self._update_average()
+
+    @torch.no_grad()
+    def _update_average(self) -> None:
+        """Move the average toward the live weights after update t (1, 2, ...) by
+        max(1 - exp(-batch / average_dense_samples), 2 / (t + 1)): an exponential
+        average whose horizon is a number of samples whatever the batch (at a batch
+        >= the horizon it is ~the live model), started as polynomial-decay averaging
+        (Shamir & Zhang 2013) so that the first, untrained weights are forgotten fast
+        (the first update copies the live weights)."""
+        if self.average_model is None:
+            return
+        self.average_updates += 1
+        t = self.average_updates
+        weight = max(1.0 - math.exp(-self.optim.batch_size / self.cfg.train.average_dense_samples),
+                     2.0 / (t + 1))
+        torch._foreach_lerp_(list(self.average_model.parameters()), list(self.model.parameters()),
+                             min(weight, 1.0))
+
+    @property
+    def eval_model(self) -> torch.nn.Module:
+        """The dense model that scores held-out rows and is exported: the average once
+        a step has fed it, else the live weights."""
+        return self.average_model if self.average_updates and self.average_model is not None else self.model
 
     def idle_dense_step(self) -> None:
         """A hierarchical replica without a batch this step still takes its node's dense
@@ -133,7 +169,7 @@ class Trainer:
         return dense, labels
 
     def _forward(self, rows: torch.Tensor, inverse: torch.Tensor, b: int,
-                 dense: torch.Tensor) -> torch.Tensor:
+                 dense: torch.Tensor, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Logits from unique rows [U, d+1] and each slot's index into them [B*F].
 
         Embedding and linear columns are split at the unique-row level, so the
@@ -143,7 +179,7 @@ class Trainer:
         emb = gather_rows(rows[:, :d].contiguous(), inverse).view(b, self.n_fields, d)
         lin = rows[:, d][inverse].view(b, self.n_fields)
         with autocast(self.precision, self.device):
-            logits = self.model(emb, lin, dense)
+            logits = (model or self.model)(emb, lin, dense)
         return logits.float()
 
     def _working_set(self, batch: Batch) -> tuple[torch.Tensor, ...]:
@@ -222,18 +258,29 @@ class Trainer:
         keys = torch.from_numpy(batch.keys).to(self.device).view(-1)
         uniq, inverse = torch.unique(keys, return_inverse=True)
         rows = self.store.peek(uniq)
-        was_training = self.model.training
-        self.model.eval()
-        logits = self._forward(rows, inverse, len(batch), dense)
-        self.model.train(was_training)
+        model = self.eval_model
+        was_training = model.training
+        model.eval()
+        logits = self._forward(rows, inverse, len(batch), dense, model)
+        model.train(was_training)
         return torch.sigmoid(logits).cpu().numpy()
 
     def state_tensors(self) -> dict:
-        return {"model": self.model.state_dict(), "dense_opt": self.dense_opt.state_dict(),
-                "store": self.store.state_dict(), "step": self.step}
+        out = {"model": self.model.state_dict(), "dense_opt": self.dense_opt.state_dict(),
+               "store": self.store.state_dict(), "step": self.step}
+        if self.average_updates and self.average_model is not None:
+            out["model_average"] = self.average_model.state_dict()
+            out["average_updates"] = self.average_updates
+        return out
 
     def load_state_tensors(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
+        self.average_updates = 0
+        if "model_average" in state:        # absent: averaging off, or a checkpoint before it
+            if self.average_model is None:  # a run that averaged, evaluated with it off
+                self.average_model = copy.deepcopy(self.model).requires_grad_(False)
+            self.average_model.load_state_dict(state["model_average"])
+            self.average_updates = int(state["average_updates"])
         self.dense_opt.load_state_dict(state["dense_opt"])
         self.store.load_state_dict(state["store"])
         self.step = int(state["step"])
