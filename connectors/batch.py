@@ -16,6 +16,22 @@ Layout (B rows, F categorical fields, D dense features)::
                                  partition (a file is one partition)
     offset      int64   [B]      the row's offset inside its partition: a Kafka
                                  offset, or a file's 0-based data-line number
+    jagged      tuple[Jagged]    one per multi-hot (list) field, M of them (M may be 0)
+
+A multi-hot field's keys are jagged, as TorchRec's KeyedJaggedTensor holds
+them: one flat `values` array and `offsets` that cut it into rows.  Row i's
+keys are ``values[offsets[i]:offsets[i + 1]]``; an empty list is an empty
+range.  For B = 3 rows of a field `history`::
+
+    row          0           1      2
+    keys         [k1, k2]    []     [k3, k4, k5]
+
+    values   int64 [N]     [k1, k2, k3, k4, k5]       N = 5 keys in all
+    offsets  int64 [B+1]   [0,  2,  2,  5]            offsets[0] = 0, offsets[B] = N
+    pooling  str           "sum" | "mean"             how the model pools the row's embeddings
+
+The fixed fields stay a dense ``keys [B, F]``; the model sees F + M embedded
+fields, the M pooled from their jagged keys.
 
 `positions_after()` is the resume position: per partition, the offset of the
 first record *not* contained in the batch (last offset + 1). A checkpoint
@@ -32,6 +48,62 @@ import numpy as np
 Positions = dict[str, int]
 
 
+POOLINGS = ("sum", "mean")
+
+
+@dataclass
+class Jagged:
+    """The keys of one multi-hot field over B rows (see the module docstring)."""
+    values: np.ndarray          # int64 [N]
+    offsets: np.ndarray         # int64 [B+1], non-decreasing, offsets[0] == 0, offsets[-1] == N
+    pooling: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"Jagged.pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        o = self.offsets
+        if o.ndim != 1 or len(o) < 1 or o[0] != 0 or o[-1] != len(self.values):
+            raise ValueError(f"Jagged.offsets must run from 0 to len(values) = {len(self.values)}, "
+                             f"got {len(o)} offsets ending at {o[-1] if len(o) else None}")
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def slice(self, start: int, stop: int) -> "Jagged":
+        start, stop, _ = slice(start, stop).indices(len(self))
+        stop = max(start, stop)
+        lo, hi = int(self.offsets[start]), int(self.offsets[stop])
+        return Jagged(self.values[lo:hi], self.offsets[start:stop + 1] - lo, self.pooling)
+
+    def take(self, rows: np.ndarray) -> "Jagged":
+        """The rows `rows` (indices or a boolean mask), in that order."""
+        rows = np.flatnonzero(rows) if rows.dtype == bool else np.asarray(rows, np.int64)
+        lengths = self.lengths[rows]
+        offsets = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        # each output value's source index: its row's start plus its place in the row
+        starts = np.repeat(self.offsets[rows] - offsets[:-1], lengths)
+        return Jagged(self.values[starts + np.arange(offsets[-1])], offsets, self.pooling)
+
+    @staticmethod
+    def empty(pooling: str = "sum") -> "Jagged":
+        return Jagged(np.zeros(0, np.int64), np.zeros(1, np.int64), pooling)
+
+    @staticmethod
+    def concat(parts: list["Jagged"]) -> "Jagged":
+        pooling = {p.pooling for p in parts}
+        if len(pooling) != 1:
+            raise ValueError(f"Jagged.concat: fields pool differently ({sorted(pooling)})")
+        shift = np.cumsum([0] + [len(p.values) for p in parts[:-1]])
+        offsets = np.concatenate([np.zeros(1, np.int64)] + [p.offsets[1:] + s for p, s in zip(parts, shift)])
+        return Jagged(np.concatenate([p.values for p in parts]).astype(np.int64, copy=False),
+                      offsets.astype(np.int64, copy=False), parts[0].pooling)
+
+
 @dataclass
 class Batch:
     labels: np.ndarray
@@ -41,12 +113,17 @@ class Batch:
     partition: np.ndarray
     offset: np.ndarray
     partitions: tuple[str, ...] = field(default=())
+    jagged: tuple[Jagged, ...] = field(default=())
 
     def __post_init__(self) -> None:
         n = len(self.labels)
         for name in ("dense", "keys", "event_time_ms", "partition", "offset"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Batch.{name} has {len(getattr(self, name))} rows, labels has {n}")
+        self.jagged = tuple(self.jagged)
+        for j, jag in enumerate(self.jagged):
+            if len(jag) != n:
+                raise ValueError(f"Batch.jagged[{j}] has {len(jag)} rows, labels has {n}")
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -59,10 +136,25 @@ class Batch:
     def n_dense(self) -> int:
         return self.dense.shape[1]
 
+    @property
+    def n_multi(self) -> int:
+        return len(self.jagged)
+
+    @property
+    def pooling(self) -> tuple[str, ...]:
+        return tuple(j.pooling for j in self.jagged)
+
     def slice(self, start: int, stop: int) -> "Batch":
         return Batch(self.labels[start:stop], self.dense[start:stop], self.keys[start:stop],
                      self.event_time_ms[start:stop], self.partition[start:stop],
-                     self.offset[start:stop], self.partitions)
+                     self.offset[start:stop], self.partitions,
+                     tuple(j.slice(start, stop) for j in self.jagged))
+
+    def take(self, rows: np.ndarray) -> "Batch":
+        """The rows `rows` (indices or a boolean mask), in that order; same partition table."""
+        return Batch(self.labels[rows], self.dense[rows], self.keys[rows], self.event_time_ms[rows],
+                     self.partition[rows], self.offset[rows], self.partitions,
+                     tuple(j.take(rows) for j in self.jagged))
 
     def positions_after(self) -> Positions:
         """Per partition, the offset just after the last row of this batch."""
@@ -77,10 +169,13 @@ class Batch:
         return out
 
     @staticmethod
-    def empty(n_fields: int, n_dense: int, partitions: tuple[str, ...] = ()) -> "Batch":
+    def empty(n_fields: int, n_dense: int, partitions: tuple[str, ...] = (),
+              pooling: tuple[str, ...] = ()) -> "Batch":
+        """No rows; `pooling` names one jagged (multi-hot) field each."""
         return Batch(np.zeros(0, np.float32), np.zeros((0, n_dense), np.float32),
                      np.zeros((0, n_fields), np.int64), np.zeros(0, np.int64),
-                     np.zeros(0, np.int32), np.zeros(0, np.int64), partitions)
+                     np.zeros(0, np.int32), np.zeros(0, np.int64), partitions,
+                     tuple(Jagged.empty(p) for p in pooling))
 
     @staticmethod
     def concat(batches: list["Batch"]) -> "Batch":
@@ -92,6 +187,9 @@ class Batch:
             for p in b.partitions:
                 if p not in names:
                     names.append(p)
+        if len({b.pooling for b in batches}) != 1:
+            raise ValueError("Batch.concat: batches differ in their multi-hot fields "
+                             f"({sorted({b.pooling for b in batches})})")
         remapped = []
         for b in batches:
             lut = np.array([names.index(p) for p in b.partitions] or [0], dtype=np.int32)
@@ -102,7 +200,9 @@ class Batch:
                      np.concatenate([b.event_time_ms for b in batches]),
                      np.concatenate(remapped).astype(np.int32),
                      np.concatenate([b.offset for b in batches]),
-                     tuple(names))
+                     tuple(names),
+                     tuple(Jagged.concat([b.jagged[j] for b in batches])
+                           for j in range(batches[0].n_multi)))
 
 
 @dataclass(frozen=True)

@@ -207,7 +207,7 @@ class FileSource:
             n = min(n, self.stop_offset - self._next_offset)
         data, k = self._lines.take(n) if n > 0 and self._stream is not None else (b"", 0)
         if k == 0:
-            return Batch.empty(self.fmt.n_keys, self.fmt.n_dense, (self.partition,)), []
+            return Batch.empty(self.fmt.n_keys, self.fmt.n_dense, (self.partition,), self.fmt.pooling), []
         if isinstance(self.fmt, Schema):
             batch, rejected = decode_records(data, self.fmt, self.partition, self._next_offset)
         else:

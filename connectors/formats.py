@@ -39,6 +39,16 @@ class RecordFormat:
         return len(self.key_fields)
 
     @property
+    def pooling(self) -> tuple[str, ...]:
+        """Pooling of each multi-hot (jagged) field: none in these formats."""
+        return ()
+
+    @property
+    def n_model_fields(self) -> int:
+        """Embedded fields the model sees (key columns; no multi-hot fields here)."""
+        return self.n_keys
+
+    @property
     def delimiter_byte(self) -> int:
         return ord(self.delimiter)
 

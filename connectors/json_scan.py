@@ -2,7 +2,8 @@
 
 `scan_lines` walks the bytes of a block of JSON lines once and, for every
 line and every declared dotted path, notes the value's type tag, its byte
-span (a string's without the quotes) and, for a number, its float64 value.
+span (a string's without the quotes, an array's or object's with its brackets)
+and, for a number, its float64 value.
 The schema decoder hashes and parses those spans vectorized, as it does csv
 columns, instead of building a dict per record: the per-record parse into
 Python objects was most of the JSON decode time.
@@ -230,6 +231,7 @@ def _scan(buf, line_start, line_end, key_bytes, key_start, key_end, child, first
     kind = np.zeros(_MAX_DEPTH, np.int8)          # 1 object, 2 array
     node_of = np.zeros(_MAX_DEPTH, np.int64)      # trie node of an object level (-1: not followed)
     seen = np.full(len(leaf), -1, np.int64)       # line on which a trie node's key last came
+    path_of = np.full(_MAX_DEPTH, -1, np.int64)   # the declared path a container level is the value of
     for line in range(len(line_start)):
         i = line_start[line]
         stop = line_end[line]
@@ -244,6 +246,7 @@ def _scan(buf, line_start, line_end, key_bytes, key_start, key_end, child, first
         depth = 0
         kind[0] = 1
         node_of[0] = 0
+        path_of[0] = -1
         i += 1
         expect_member = True                      # after '{' or ',': a key (or '}' right after '{')
         first_member = True
@@ -257,6 +260,8 @@ def _scan(buf, line_start, line_end, key_bytes, key_start, key_end, child, first
             if kind[depth] == 1:
                 if c == 125 and first_member:     # '{}'
                     i += 1
+                    if path_of[depth] >= 0:
+                        end[line, path_of[depth]] = i
                     depth -= 1
                 elif c != 34:
                     ok = False
@@ -295,9 +300,11 @@ def _scan(buf, line_start, line_end, key_bytes, key_start, key_end, child, first
                             break
                         if path >= 0:
                             tag[line, path] = OBJECT if c == 123 else ARRAY
+                            start[line, path] = i
                         depth += 1
                         kind[depth] = 1 if c == 123 else 2
                         node_of[depth] = target if c == 123 else -1
+                        path_of[depth] = path
                         first_member = True
                         i += 1
                         continue
@@ -308,6 +315,8 @@ def _scan(buf, line_start, line_end, key_bytes, key_start, key_end, child, first
             else:                                 # an array element (never a declared path)
                 if c == 93 and first_member:      # '[]'
                     i += 1
+                    if path_of[depth] >= 0:
+                        end[line, path_of[depth]] = i
                     depth -= 1
                 elif c == 123 or c == 91:
                     if depth + 1 >= _MAX_DEPTH:
@@ -316,6 +325,7 @@ def _scan(buf, line_start, line_end, key_bytes, key_start, key_end, child, first
                     depth += 1
                     kind[depth] = 1 if c == 123 else 2
                     node_of[depth] = -1
+                    path_of[depth] = -1
                     first_member = True
                     i += 1
                     continue
@@ -339,6 +349,8 @@ def _scan(buf, line_start, line_end, key_bytes, key_start, key_end, child, first
                     break
                 if (c == 125 and kind[depth] == 1) or (c == 93 and kind[depth] == 2):
                     i += 1
+                    if path_of[depth] >= 0:
+                        end[line, path_of[depth]] = i
                     depth -= 1
                     continue
                 ok = False

@@ -77,7 +77,7 @@ class ReadAhead:
 
     def _empty(self) -> Batch:
         fmt = self.source.fmt
-        return Batch.empty(fmt.n_keys, fmt.n_dense, (self.partition,))
+        return Batch.empty(fmt.n_keys, fmt.n_dense, (self.partition,), fmt.pooling)
 
     @property
     def exhausted(self) -> bool:

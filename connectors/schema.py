@@ -38,6 +38,13 @@ own passed with ``--schema``::
     [schema.fields.weight]
     kind = "weight"            # a number >= 0 per record (decoded; not yet used by the loss)
 
+    [schema.fields.history]
+    kind = "multi_hot"         # a list: a JSON array of scalars (csv: one field cut at `separator`)
+    max_len = 50               # longer lists keep their FIRST max_len elements
+    pooling = "mean"           # sum | mean of the elements' embeddings (an empty list pools to 0)
+    # separator = "|"          # csv only (default "|"); an empty csv field is an empty list
+    # optional = true          # JSON: a missing (absent or null) list is an empty one
+
     [schema.fields.request_id]
     kind = "ignore"            # read nowhere; documents that the field is left out on purpose
 
@@ -46,8 +53,12 @@ own passed with ``--schema``::
 
 Decoded columns: ``keys`` are the key-producing fields (categorical,
 bucketized numeric, time_part) in declared order, then the crosses; a key's
-field id for hashing is its column index.  ``dense`` are the other numeric
-fields in declared order.  Exactly one label is required.
+field id for hashing is its column index.  ``jagged`` are the multi-hot
+fields in declared order (`Batch.jagged`); the j-th hashes its elements, as
+a categorical value is hashed, with field id ``n_keys + j``.  ``dense`` are
+the other numeric fields in declared order.  Exactly one label is required.
+A multi-hot element must be a string, number or boolean; anything else
+(null, a list, an object) rejects the record as ``bad_value:FIELD``.
 
 A missing value (JSON: absent or null; csv: an empty field) takes the field's
 `default`; a field with ``optional = true`` gives its own "missing" key (or
@@ -55,10 +66,7 @@ A missing value (JSON: absent or null; csv: an empty field) takes the field's
 ``missing:FIELD``.  A value of the wrong type is rejected as ``bad_value:FIELD``
 with the value in the reject's detail.
 
-Room to grow: a field kind is one frozen dataclass with a `kind` name and the
-output it feeds (`OUTPUTS`).  ``multi_hot`` (a list per record) will be one
-more kind whose output is a jagged key column; the parser already names it
-and says it is not decoded yet.
+Room to grow: a field kind is one frozen dataclass with a `kind` name.
 """
 from __future__ import annotations
 
@@ -75,8 +83,7 @@ TIME_PARTS = ("hour_of_day", "day_of_week")
 LOG_SQUARED = "log_squared"                 # Criteo winners' buckets: v if v <= 2 else floor(ln(v)^2)
 # strftime directives the vectorized time parser reads: fixed-width digits.
 TIME_DIRECTIVE_WIDTH = {"Y": 4, "y": 2, "m": 2, "d": 2, "H": 2, "M": 2, "S": 2}
-_LATER_KINDS = {"multi_hot": "a list feature needs jagged keys in the Batch, which come later; "
-                             "use kind = \"ignore\" for now"}
+POOLINGS = ("sum", "mean")
 
 
 class SchemaError(ValueError):
@@ -151,6 +158,17 @@ class TimePartField:
 
 
 @dataclass(frozen=True)
+class MultiHotField:
+    name: str
+    path: str
+    max_len: int = 50                       # keep the first max_len elements of a longer list
+    pooling: str = "sum"                    # sum | mean
+    separator: str = "|"                    # csv: the element separator inside the field
+    optional: bool = False                  # JSON: missing (absent/null) is an empty list
+    kind: str = "multi_hot"
+
+
+@dataclass(frozen=True)
 class IgnoreField:
     name: str
     path: str
@@ -164,9 +182,9 @@ class Cross:
 
 
 Field = Union[LabelField, WeightField, CategoricalField, NumericField, EventTimeField,
-              TimePartField, IgnoreField]
+              TimePartField, MultiHotField, IgnoreField]
 KINDS: dict[str, type] = {c.kind: c for c in (LabelField, WeightField, CategoricalField, NumericField,  # type: ignore[attr-defined]
-                                              EventTimeField, TimePartField, IgnoreField)}
+                                              EventTimeField, TimePartField, MultiHotField, IgnoreField)}
 
 
 @dataclass(frozen=True)
@@ -208,6 +226,20 @@ class Schema:
     @property
     def n_dense(self) -> int:
         return len(self.dense_fields)
+
+    @property
+    def multi_fields(self) -> tuple[MultiHotField, ...]:
+        """The multi-hot fields: `Batch.jagged`, in order."""
+        return tuple(f for f in self.fields if isinstance(f, MultiHotField))
+
+    @property
+    def pooling(self) -> tuple[str, ...]:
+        return tuple(f.pooling for f in self.multi_fields)
+
+    @property
+    def n_model_fields(self) -> int:
+        """Embedded fields the model sees: the key columns, then one pooled per multi-hot field."""
+        return self.n_keys + len(self.multi_fields)
 
     # What FileSource and the CLI read of a RecordFormat, so a Schema can stand in for one.
     @property
@@ -287,8 +319,6 @@ def _parse_field(name: str, spec: Any, where: str) -> Field:
     if not isinstance(spec, dict):
         raise SchemaError(f"{where}: must be a table with kind = ...")
     kind = spec.get("kind")
-    if kind in _LATER_KINDS:
-        raise SchemaError(f"{where}: kind {kind!r} is not decoded yet: {_LATER_KINDS[kind]}")
     cls = KINDS.get(kind)
     if cls is None:
         raise SchemaError(f"{where}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -346,6 +376,12 @@ def _check_field(f: Field, where: str) -> None:
             time_format_layout(f.format, where)
     if isinstance(f, TimePartField):
         need(f.part in TIME_PARTS, f"part must be one of {', '.join(TIME_PARTS)}, got {f.part!r}")
+    if isinstance(f, MultiHotField):
+        need(isinstance(f.max_len, int) and not isinstance(f.max_len, bool) and f.max_len >= 1,
+             f"max_len must be an integer >= 1, got {f.max_len!r}")
+        need(f.pooling in POOLINGS, f"pooling must be one of {', '.join(POOLINGS)}, got {f.pooling!r}")
+        need(isinstance(f.separator, str) and len(f.separator) == 1 and f.separator not in "\n\r",
+             f"separator must be one character, got {f.separator!r}")
 
 
 def _is_number(x: Any) -> bool:
@@ -414,6 +450,10 @@ def _check_whole(schema: Schema, origin: str) -> None:
                                   f"{', '.join(sorted(key_names)) or 'none'}")
     if not schema.key_fields:
         raise SchemaError(f"{origin}: no key field; declare at least one categorical field")
+    for f in schema.multi_fields:
+        if schema.encoding == "csv" and f.separator == schema.delimiter:
+            raise SchemaError(f"{origin}: [schema.fields.{f.name}] separator {f.separator!r} is the "
+                              "record delimiter; pick another (e.g. \"|\")")
     if schema.encoding == "csv" and schema.columns:
         for f in schema.fields:
             if f.path and f.path not in schema.columns:
@@ -482,10 +522,11 @@ def _toml_value(value: Any) -> str:
 
 def describe(schema: Schema) -> str:
     """One line: encoding, key and dense columns (for logs and errors)."""
-    return (f"{schema.name} schema ({schema.encoding}): {schema.n_keys} key columns, "
+    multi = f"{len(schema.multi_fields)} multi-hot, " if schema.multi_fields else ""
+    return (f"{schema.name} schema ({schema.encoding}): {schema.n_keys} key columns, {multi}"
             f"{schema.n_dense} dense, label {schema.label.name!r}")
 
 
 __all__ = ["Schema", "SchemaError", "Field", "LabelField", "WeightField", "CategoricalField",
-           "NumericField", "EventTimeField", "TimePartField", "IgnoreField", "Cross", "parse_schema",
+           "NumericField", "EventTimeField", "TimePartField", "MultiHotField", "IgnoreField", "Cross", "parse_schema",
            "load_schema", "schema_to_toml", "is_key_field", "time_format_layout", "describe"]

@@ -16,6 +16,7 @@ column that the fast path could not take (mixed types, words, bad values).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,11 @@ from stream_ctr.connectors import json_scan
 from stream_ctr.connectors.decode import days_from_civil, parse_ints
 from stream_ctr.connectors.decode_tables import criteo_buckets
 from stream_ctr.connectors.hashing import field_salt, hash_ints, hash_spans, hash_strings, mix64, word_view, GOLDEN
+
+try:                                    # the parser the per-line path uses (schema_decode)
+    from orjson import loads as _json_loads
+except ImportError:                     # pragma: no cover - orjson is a dependency
+    from json import loads as _json_loads  # type: ignore[assignment]
 
 OK, MISSING, BAD = 0, 1, 2
 _DAYS_IN_MONTH = np.array([0, 31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31], dtype=np.int64)
@@ -342,3 +348,60 @@ def time_parts_ms(event_ms: np.ndarray, part: str, field_id: int) -> np.ndarray:
         value = (event_ms // 86_400_000 + 3) % 7
     return hash_ints(value, np.int64(field_id))
 
+
+
+def multi_hot_keys(raw: TextColumn | JsonSpans | list[Any], field_id: int, max_len: int,
+                   separator: str = "|") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(keys int64 [N], offsets int64 [m+1], status) of a list column: each row's first `max_len`
+    elements, each hashed as a categorical value of field `field_id` (its token: a string's
+    UTF-8, a number's JSON text, true/false).  A missing list (absent, null) is empty with
+    status MISSING; a value that is not a list, or a list holding anything but strings,
+    numbers and booleans, is BAD."""
+    lists, status = _lists(raw, separator)
+    lengths = np.fromiter(map(len, lists), np.int64, len(lists))
+    if len(lengths) and lengths.max() > max_len:
+        lists = [v[:max_len] for v in lists]
+        lengths = np.minimum(lengths, max_len)
+    offsets = np.zeros(len(lists) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = list(chain.from_iterable(lists))
+    if not flat:
+        return np.zeros(0, np.int64), offsets, status
+    tokens, element_status = text_of_values(flat)
+    bad_elements = np.flatnonzero(element_status != OK)
+    if len(bad_elements):                     # null, a list or an object inside the list
+        rows = np.searchsorted(offsets, bad_elements, side="right") - 1
+        status[rows] = BAD
+    keys = hash_spans(word_view(tokens.buf), tokens.starts, tokens.ends - tokens.starts,
+                      field_salt(np.int64(field_id)))
+    return keys, offsets, status
+
+
+def _lists(raw: TextColumn | JsonSpans | list[Any], separator: str) -> tuple[list[list[Any]], np.ndarray]:
+    """Each row's list (empty where missing or bad) and its status."""
+    if isinstance(raw, TextColumn):           # csv: one field cut at `separator`; empty is []
+        status = np.zeros(len(raw), np.int8)
+        return [raw.value(i).split(separator) if raw.ends[i] > raw.starts[i] else []
+                for i in range(len(raw))], status
+    if isinstance(raw, JsonSpans):
+        # The scan noted each array's span, brackets included: one parse of them all.
+        tag = raw.tag
+        status = np.where((tag == json_scan.ABSENT) | (tag == json_scan.NULL), MISSING,
+                          np.where(tag == json_scan.ARRAY, OK, BAD)).astype(np.int8)
+        arrays = np.flatnonzero(tag == json_scan.ARRAY)
+        lists: list[list[Any]] = [[] for _ in range(len(raw))]
+        if len(arrays):
+            buf = raw.buf
+            spans = [buf[s:e].tobytes() for s, e in zip(raw.starts[arrays].tolist(), raw.ends[arrays].tolist())]
+            for i, v in zip(arrays.tolist(), _json_loads(b"[" + b",".join(spans) + b"]")):
+                lists[i] = v
+        return lists, status
+    status = np.zeros(len(raw), np.int8)
+    lists = []
+    for i, v in enumerate(raw):
+        if type(v) is list:
+            lists.append(v)
+            continue
+        status[i] = MISSING if v is None else BAD
+        lists.append([])
+    return lists, status

@@ -29,11 +29,11 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from stream_ctr.connectors import json_scan, schema_columns as col
-from stream_ctr.connectors.batch import Batch, Rejected
+from stream_ctr.connectors.batch import Batch, Jagged, Rejected
 from stream_ctr.connectors.decode import line_buffer
 from stream_ctr.connectors.schema import (CategoricalField, EventTimeField, Field, IgnoreField, LabelField,
-                                          NumericField, Schema, SchemaError, TimePartField, WeightField,
-                                          time_format_layout)
+                                          MultiHotField, NumericField, Schema, SchemaError, TimePartField,
+                                          WeightField, time_format_layout)
 
 try:                                    # a well-kept C parser; the stdlib's is the fallback
     from orjson import loads as _loads, JSONDecodeError as _JSONError
@@ -61,7 +61,7 @@ _LF, _CR = 10, 13
 _SCAN = os.environ.get("STREAM_CTR_NO_JIT", "") != "1"
 _EXPECTED = {"label": "0/1 or true/false (or a number, with threshold)", "weight": "a number >= 0",
              "categorical": "a string, number or boolean", "numeric": "a number",
-             "event_time": "a time"}
+             "event_time": "a time", "multi_hot": "a list of strings, numbers or booleans"}
 
 
 def decode_records(data: bytes, schema: Schema, partition: str, first_offset: int,
@@ -97,9 +97,15 @@ def decode_records(data: bytes, schema: Schema, partition: str, first_offset: in
     def column(name: str) -> np.ndarray:
         return np.concatenate([getattr(c, name)[keep] for _, c, keep in kept])[order]
 
+    def jagged(j: int) -> Jagged:
+        parts = [c.jagged[j].take(keep) for _, c, keep in kept]
+        whole = Jagged.concat(parts) if len(parts) > 1 else parts[0]
+        return whole.take(order) if len(kept) > 1 else whole
+
     return Batch(labels=column("labels"), dense=column("dense"), keys=column("keys"),
                  event_time_ms=column("event_time_ms"), partition=np.zeros(len(rows), np.int32),
-                 offset=rows[order] + first_offset, partitions=(partition,)), rejected
+                 offset=rows[order] + first_offset, partitions=(partition,),
+                 jagged=tuple(jagged(j) for j in range(len(schema.multi_fields)))), rejected
 
 
 # ------------------------------------------------------------------ JSON lines
@@ -254,6 +260,7 @@ class _Converted:
         self.dense = np.zeros((m, schema.n_dense), np.float32)
         self.keys = np.zeros((m, schema.n_keys), np.int64)
         self.event_time_ms = np.full(m, -1, np.int64)
+        self.jagged = [Jagged.empty(f.pooling) for f in schema.multi_fields]
         self.failed_field = np.full(m, -1, np.int64)    # index into `checks` of the first failure
         self.checks: list[tuple[Field, np.ndarray, Any]] = []
 
@@ -277,6 +284,7 @@ def _convert(schema: Schema, raw_of: Callable[[str], Any], m: int) -> _Converted
     out = _Converted(schema, m)
     key_index = {name: j for j, name in enumerate(schema.key_fields)}
     dense_index = {name: j for j, name in enumerate(schema.dense_fields)}
+    multi_index = {f.name: j for j, f in enumerate(schema.multi_fields)}
     ordered = sorted(schema.fields, key=lambda f: not isinstance(f, EventTimeField))  # time parts need it
     for f in ordered:
         if isinstance(f, IgnoreField):
@@ -315,6 +323,12 @@ def _convert(schema: Schema, raw_of: Callable[[str], Any], m: int) -> _Converted
                 dense = col.dense_values(values, f.transform, f.mean, f.std)
                 dense[missing] = 0.0
                 out.dense[:, dense_index[f.name]] = dense
+        elif isinstance(f, MultiHotField):
+            j = multi_index[f.name]
+            values, offsets, status = col.multi_hot_keys(raw, schema.n_keys + j, f.max_len, f.separator)
+            if f.optional:
+                status[status == col.MISSING] = col.OK    # a missing list is an empty one
+            out.jagged[j] = Jagged(values, offsets, f.pooling)
         else:                                            # a kind this decoder does not know
             raise SchemaError(f"field {f.name!r}: kind {f.kind!r} cannot be decoded here")
         out.check(f, status, raw)

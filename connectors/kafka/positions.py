@@ -209,8 +209,7 @@ class PositionBook:
 
 
 def _take(batch: Batch, rows: np.ndarray) -> Batch:
-    return Batch(batch.labels[rows], batch.dense[rows], batch.keys[rows], batch.event_time_ms[rows],
-                 batch.partition[rows], batch.offset[rows], batch.partitions)
+    return batch.take(rows)       # multi-hot (jagged) fields included
 
 
 def filter_partitions(batch: Batch, names: set[str]) -> Batch:

@@ -441,7 +441,7 @@ class KafkaSource:
     def _take(self, want: int) -> Batch:
         """Pop up to `want` buffered rows, oldest first."""
         if not self._buffered:
-            return Batch.empty(self.fmt.n_keys, self.fmt.n_dense)
+            return Batch.empty(self.fmt.n_keys, self.fmt.n_dense, (), self.fmt.pooling)
         pieces, n = [], 0
         while self._buffer and n < want:
             head = self._buffer.popleft()

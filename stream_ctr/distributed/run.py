@@ -49,8 +49,7 @@ from stream_ctr.train.trainer import resolve_device
 
 
 def take_rows(batch: Batch, idx: np.ndarray) -> Batch:
-    return Batch(batch.labels[idx], batch.dense[idx], batch.keys[idx], batch.event_time_ms[idx],
-                 batch.partition[idx], batch.offset[idx], batch.partitions)
+    return batch.take(idx)       # multi-hot (jagged) fields included
 
 
 class StripedSource:

@@ -35,6 +35,11 @@ optional = true
 kind = "event_time"
 unit = "s"
 default = 0
+[schema.fields.h]
+kind = "multi_hot"
+max_len = 2
+pooling = "mean"
+optional = true
 """)
 
 EDGE_LINES = [
@@ -63,6 +68,14 @@ EDGE_LINES = [
     '',
     '{"y": tru}',
     '{"y": 1, "a": "x", "z": {"deep": [[[]]], "e": 1E+2}}',
+    '{"y": 1, "a": "x", "h": [1, "b", 2.50, true, 7]}',    # multi-hot: mixed scalars, cut at 2
+    '{"y": 1, "a": "x", "h": [ ]}',                      # an empty list
+    '{"y": 1, "a": "x", "h": null}',                     # missing, optional: empty
+    '{"y": 1, "a": "x", "h": [1.5e3, -0, "caf\u00e9"]}',  # an escape: per-line path
+    '{"y": 1, "a": "x", "h": [[1], 2]}',                 # a list inside: bad_value:h
+    '{"y": 1, "a": "x", "h": [null]}',
+    '{"y": 1, "a": "x", "h": {"k": 1}}',
+    '{"y": 1, "a": "x", "h": "1,2"}',
 ]
 
 
@@ -78,6 +91,9 @@ def _assert_same(fast, slow):
     for name in ("labels", "dense", "keys", "event_time_ms", "offset"):
         a, b = getattr(fb, name), getattr(sb, name)
         assert a.shape == b.shape and a.tobytes() == b.tobytes(), name      # bit for bit
+    assert len(fb.jagged) == len(sb.jagged)
+    for a, b in zip(fb.jagged, sb.jagged):                                 # multi-hot keys
+        assert a.values.tobytes() == b.values.tobytes() and a.offsets.tobytes() == b.offsets.tobytes()
     assert [(r.offset, r.reason, r.detail, r.raw) for r in fr] == [(r.offset, r.reason, r.detail, r.raw) for r in sr]
 
 
@@ -86,6 +102,11 @@ def test_edge_cases_decode_the_same_both_ways():
     fast, slow = _both(data)
     _assert_same(fast, slow)
     assert len(fast[0]) > 5 and len(fast[1]) > 5
+    reasons = {r.offset - 5: r.reason for r in fast[1]}
+    h = [EDGE_LINES.index(line) for line in EDGE_LINES if '"h"' in line]
+    assert [reasons.get(i) for i in h] == [None, None, None, None] + ["bad_value:h"] * 4
+    rows = {o - 5: r for r, o in enumerate(fast[0].offset)}
+    assert [len(fast[0].jagged[0].slice(rows[i], rows[i] + 1).values) for i in h[:4]] == [2, 0, 0, 2]
 
 
 def test_the_synthetic_log_decodes_the_same_both_ways(tmp_path):
@@ -107,7 +128,7 @@ values = st.one_of(scalars, st.lists(scalars, max_size=3), st.dictionaries(st.sa
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.dictionaries(st.sampled_from(["y", "a", "d", "n", "t", "other"]), values), min_size=1,
+@given(st.lists(st.dictionaries(st.sampled_from(["y", "a", "d", "n", "t", "h", "other"]), values), min_size=1,
                 max_size=20))
 def test_random_records_decode_the_same_both_ways(records):
     data = ("\n".join(json.dumps(r, ensure_ascii=bool(len(r) % 2)) for r in records) + "\n").encode()

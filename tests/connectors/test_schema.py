@@ -69,7 +69,8 @@ def test_toml_round_trip(schema):
 
 
 @pytest.mark.parametrize("fragment, words", [
-    ("[schema.fields.x]\nkind = 'multi_hot'", ["x", "multi_hot", "not decoded yet", "ignore"]),
+    ("[schema.fields.x]\nkind = 'multi_hot'\npooling = 'max'", ["x", "pooling", "mean"]),
+    ("[schema.fields.x]\nkind = 'multi_hot'\nmax_len = 0", ["x", "max_len", ">= 1"]),
     ("[schema.fields.x]\nkind = 'categorial'", ["x", "kind must be one of", "categorical"]),
     ("[schema.fields.x]\nkind = 'numeric'\ntransform = 'log'", ["x", "transform", "log1p"]),
     ("[schema.fields.x]\nkind = 'numeric'\ntransform = 'bucketize'", ["x", "boundaries"]),
