@@ -126,15 +126,43 @@ def save_checkpoint(directory: str | Path, state: CheckpointState, keep: int = 3
         _fsync_dir(root)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)    # a partial checkpoint must not fill the disk
-        raise CheckpointError(f"cannot write checkpoint in {root}: {e.strerror or e} "
-                              "(check free disk space and permissions); the previous checkpoint "
-                              "is still valid") from e
+        previous = (f"the previous checkpoint, {saved[-1][1].name}, is still valid: free space and "
+                    f"run again with --resume to continue from it" if saved else
+                    "no earlier checkpoint exists here: a --resume starts the run afresh")
+        raise CheckpointError(f"cannot write checkpoint in {root}: {e.strerror or e}; "
+                              f"{_space_note(root, state.tensors)} (check free disk space and "
+                              f"permissions, or point train.checkpoint_dir at a larger disk); "
+                              f"{previous}") from e
     # Only now, with LATEST on the new one, may the ones it replaces go.
     for _, old in saved:
         if _step_of(old.name) == state.step:
             shutil.rmtree(old, ignore_errors=True)
     _prune(root, keep, current=final)
     return final
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor and numpy array in a nested dict/list/tuple (a checkpoint's
+    size, give or take its pickled structure)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if hasattr(obj, "nbytes") and hasattr(obj, "dtype"):
+        return int(obj.nbytes)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _space_note(root: Path, tensors: Any) -> str:
+    """'it needs about X MiB and the disk has Y MiB free' (what a full disk's user must know)."""
+    need_mib = tensor_bytes(tensors) / 2**20
+    try:
+        free_mib = shutil.disk_usage(root).free / 2**20
+    except OSError:
+        return f"it needs about {need_mib:,.1f} MiB"
+    return f"it needs about {need_mib:,.1f} MiB and the disk has {free_mib:,.1f} MiB free"
 
 
 def _step_of(name: str) -> int | None:

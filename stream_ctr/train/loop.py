@@ -22,7 +22,8 @@ from stream_ctr.train.checkpoint import (CheckpointState, holds_checkpoint, load
                                          save_checkpoint)
 from stream_ctr.config import Config, ConfigError, describe_optim, validate
 from stream_ctr.train.evaluation import Accuracy, PrequentialWindow, accuracy
-from stream_ctr.train.run_dir import choose_run_dir, point_latest, run_dir_of, set_aside_attempt
+from stream_ctr.train.run_dir import (choose_run_dir, link_checkpoint_dir, point_latest, run_dir_of,
+                                      set_aside_attempt)
 from stream_ctr.telemetry.monitor import RunMonitor
 from stream_ctr.telemetry.progress import Progress
 from stream_ctr.train.batches import LookAhead, StopSignal, micro_batches
@@ -179,6 +180,7 @@ class Run:
                       f"train.precision={was} to keep it", file=sys.stderr)
         run_dir = Path(cfg.train.run_dir)
         self.ckpt_dir = Path(cfg.train.checkpoint_dir or run_dir / "checkpoints")
+        link_checkpoint_dir(run_dir, cfg.train.checkpoint_dir)
         self.dead_letter = open_dead_letter(cfg, self.stream)     # a file, or the dead-letter topic
         # A stream's batcher lives in the run: a rebalance drops its rows of revoked partitions.
         self.batcher = StreamBatcher(cfg.data.batch_size) if self.stream is not None else None
@@ -363,6 +365,9 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
     signal, at the limit, or after `kafka.stop_when_idle_s` without records,
     and commits the group's offsets after every checkpoint.
     """
+    if resume is not None and not holds_checkpoint(resume) and cfg.train.checkpoint_dir \
+            and holds_checkpoint(cfg.train.checkpoint_dir):
+        resume = cfg.train.checkpoint_dir   # --resume RUN_DIR of a run that checkpoints elsewhere
     if resume is not None and not holds_checkpoint(resume):
         # A supervisor restarts with the same command line (--resume DIR) whether or
         # not the first attempt lived to write a checkpoint: without one, start over.

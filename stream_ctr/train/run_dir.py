@@ -110,3 +110,23 @@ def set_aside_attempt(run_dir: Path, now_s: float | None = None) -> Path | None:
         path.rename(aside / path.name)
     return aside
 
+
+def link_checkpoint_dir(run_dir: Path, checkpoint_dir: str) -> None:
+    """With train.checkpoint_dir elsewhere (another disk), make `RUN_DIR/checkpoints` a
+    link to it, so `--resume RUN_DIR` finds the checkpoints: without the link, a
+    resume by run directory saw none and started the run afresh. Never replaces a
+    real directory; a link to another place is repointed (the config says where)."""
+    if not checkpoint_dir:
+        return
+    target, link = Path(checkpoint_dir).resolve(), run_dir / "checkpoints"
+    if link.resolve() == target or (link.exists() and not link.is_symlink()):
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".checkpoints.{os.getpid()}"
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(target, target_is_directory=True)
+        os.replace(tmp, link)
+    except OSError:                         # no symlinks here: --resume CHECKPOINT_DIR still works
+        tmp.unlink(missing_ok=True)

@@ -207,8 +207,10 @@ def test_a_full_disk_while_checkpointing_is_one_clear_error(tmp_path, monkeypatc
     def full_disk(*args, **kwargs):
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4544 vs 4484")
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(CheckpointError, match="is the disk full"):
+    with pytest.raises(CheckpointError, match="is the disk full") as err:
         save_checkpoint(root, _ckpt(2, 20))
+    assert "it needs about" in str(err.value) and "MiB free" in str(err.value)
+    assert "ckpt-00000001, is still valid" in str(err.value)
     monkeypatch.undo()
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]     # nothing left behind
     assert load_checkpoint(root).records_trained == 10
