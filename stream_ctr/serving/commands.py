@@ -17,6 +17,7 @@ from stream_ctr.connectors.files import SourceError, count_records, detect_forma
 from stream_ctr.serving.bundle import read_bundle
 from stream_ctr.serving.export import export_bundle
 from stream_ctr.serving.scorer import PRECISIONS, Scorer, score_file
+from stream_ctr.serving.server import HTTP_STACKS, Server
 
 EXPORT_EPILOG = """examples:
   stream-ctr export --out bundles/ctr-v1                 # the newest checkpoint of runs/latest
@@ -69,6 +70,57 @@ def add_serving_parsers(sub: argparse._SubParsersAction, add_common) -> None:
     add_common(q)
     q.set_defaults(func=cmd_predict)
 
+    s = sub.add_parser("serve", help="serve a bundle over HTTP: POST /predict, GET /healthz, /metrics",
+                       epilog=SERVE_EPILOG, formatter_class=fmt,
+                       description="An HTTP predict server for a bundle (127.0.0.1 by default). "
+                       "POST /predict takes records in the bundle's format, newline-delimited or "
+                       "as a JSON array, and answers {\"model_version\", \"probabilities\"}; a "
+                       "request with a record that does not decode is answered 400, naming the "
+                       "records and why. Concurrent requests are coalesced into one scoring call. "
+                       "GET /healthz, GET /metrics (Prometheus).")
+    s.add_argument("bundle", help="bundle directory (stream-ctr export)")
+    s.add_argument("--port", type=int, required=True, help="TCP port (0: any free one)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--device", default="cpu", help="torch device to score on")
+    s.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the bundle's")
+    s.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    s.add_argument("--max-batch-records", type=int, default=4096,
+                   help="records one scoring call may coalesce from waiting requests")
+    s.add_argument("--max-wait-ms", type=float, default=0.0, help="how long the scoring thread "
+                   "waits for more requests once it has one (default 0: only those already waiting)")
+    s.add_argument("--no-coalesce", action="store_true", help="score each request alone")
+    s.add_argument("--http", choices=HTTP_STACKS, default="stdlib", help="HTTP stack (aiohttp: "
+                   "for comparison, needs aiohttp installed)")
+    add_common(s)
+    s.set_defaults(func=cmd_serve)
+
+
+SERVE_EPILOG = """examples:
+  stream-ctr serve bundles/ctr-v1 --port 8500
+  curl -s --data-binary @lines.tsv 127.0.0.1:8500/predict      # Criteo TSV lines, label column ignored
+  curl -s -H 'Content-Type: application/json' -d '["0\\t1\\t...", "..."]' 127.0.0.1:8500/predict"""
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import sys
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    scorer = Scorer(read_bundle(args.bundle), args.device, args.precision)
+    server = Server(scorer, args.host, args.port, http=args.http, coalesce=not args.no_coalesce,
+                    max_batch_records=args.max_batch_records, max_wait_s=args.max_wait_ms / 1000)
+    server.start()
+    signal.signal(signal.SIGTERM, lambda *_: server.close())
+    # One line a supervisor (or a test) can wait for: where it listens, which model answers.
+    print(f"serving {scorer.version} on http://{server.host}:{server.port} (POST /predict, "
+          f"GET /healthz, GET /metrics; {args.http})", flush=True, file=sys.stdout)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        server.close()
+    return 0
+
 
 def cmd_export(args: argparse.Namespace) -> tuple[dict, str]:
     from stream_ctr.distributed.job_checkpoint import find_job, is_job, load_any
@@ -83,7 +135,9 @@ def cmd_export(args: argparse.Namespace) -> tuple[dict, str]:
     checkpoint = {"path": str(Path(where).resolve()), "name": Path(where).name, "step": state.step,
                   "records_trained": state.records_trained, "epoch": state.extra.get("epoch", 0),
                   # the offsets after the last trained record ({} once a file's last pass ended)
-                  "positions": state.positions}
+                  "positions": state.positions,
+                  # when the checkpoint became durable: the model age a server reports
+                  "time_s": checkpoint_time_s(Path(where))}
     manifest = export_bundle(state.tensors, state.config, args.out, source_format(cfg), checkpoint,
                              precision, held_out_lines(cfg))
     rows = manifest["rows"]["count"]
@@ -91,6 +145,15 @@ def cmd_export(args: argparse.Namespace) -> tuple[dict, str]:
              "rows": rows, "precision": precision, "files": manifest["files"]},
             f"exported {Path(where).name} (step {state.step:,}, {state.records_trained:,} records "
             f"trained) with {rows:,} embedding rows to {args.out}")
+
+
+def checkpoint_time_s(where: Path) -> float:
+    """When a checkpoint was written: its manifest's modification time (the file written
+    last, once everything else was durable), else its directory's."""
+    for p in (where / "manifest.json", where):
+        if p.exists():
+            return p.stat().st_mtime
+    return Path(where).stat().st_mtime
 
 
 def _resolved_precision(cfg: Config) -> str:

@@ -1,0 +1,252 @@
+"""`stream-ctr serve`: a real server process answers with the run's own numbers.
+
+Must-show: train on the bundled Criteo sample holding out the last 10%, export,
+start `stream-ctr serve` as a subprocess on a free loopback port, POST the 1,449
+held-out lines: the served probabilities' AUC is the run's test AUC, and they are
+`stream-ctr predict`'s probabilities bit for bit. Then: a bad request is a 400
+naming the record, /healthz, /metrics, and models swapped while requests run.
+"""
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from stream_ctr.cli.main import main
+from stream_ctr.connectors.decode import decode_lines
+from stream_ctr.connectors.files import SAMPLE_PATHS
+from stream_ctr.connectors.formats import CRITEO
+from stream_ctr.serving.bundle import read_bundle
+from stream_ctr.serving.metrics import SERIES
+from stream_ctr.serving.predictor import Predictor, RequestError
+from stream_ctr.serving.scorer import Scorer
+from stream_ctr.serving.server import Server
+from stream_ctr.train.evaluation import accuracy
+from stream_ctr.train.loop import held_out_start, train
+from tests.stream_ctr.store.helpers import small_config
+
+HOLDOUT = 0.1
+N_SAMPLE = 14_493
+
+
+def sample_lines() -> list[bytes]:
+    with gzip.open(SAMPLE_PATHS["criteo"], "rb") as f:
+        return f.read().splitlines()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The whole sample trained with the last 10% held out; bundles of the final checkpoint
+    and of step 40."""
+    tmp = tmp_path_factory.mktemp("serve")
+    cfg = small_config(tmp / "run", tiered=False)
+    cfg.data.holdout_fraction = HOLDOUT
+    cfg.train.checkpoint_every_batches = 40
+    summary = train(cfg, show_progress=False)
+    assert main(["export", cfg.train.run_dir, "--out", str(tmp / "bundle"), "--quiet"]) == 0
+    old = Path(cfg.train.run_dir) / "checkpoints" / "ckpt-00000040"
+    assert main(["export", str(old), "--out", str(tmp / "bundle40"), "--quiet"]) == 0
+    return tmp, summary
+
+
+@pytest.fixture(scope="module")
+def served(run):
+    """`stream-ctr serve BUNDLE --port 0` as a subprocess; yields its port."""
+    tmp, _ = run
+    proc = subprocess.Popen([sys.executable, "-m", "stream_ctr", "serve", str(tmp / "bundle"),
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()           # "serving VERSION on http://127.0.0.1:PORT ..."
+        assert line.startswith("serving "), (line, proc.stderr.read() if proc.poll() is not None else "")
+        yield int(line.split("http://127.0.0.1:")[1].split()[0])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def request(port: int, method: str, path: str, body: bytes = b"",
+            content_type: str = "text/plain") -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request(method, path, body=body or None, headers={"Content-Type": content_type})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_served_held_out_lines_give_the_runs_test_auc_and_predicts_numbers(run, served, capsys):
+    tmp, summary = run
+    start = held_out_start(N_SAMPLE, HOLDOUT)
+    held = sample_lines()[start:]
+    assert len(held) == 1449 == summary.test["records"]
+    status, body = request(served, "POST", "/predict", b"\n".join(held) + b"\n")
+    assert status == 200, body
+    answer = json.loads(body)
+    manifest = read_bundle(tmp / "bundle").manifest
+    assert answer["model_version"] == f"{manifest['checkpoint']['name']}@{manifest['checkpoint']['step']}"
+    probs = np.array(answer["probabilities"], dtype=np.float64)
+    served32 = probs.astype(np.float32)
+    assert np.array_equal(served32.astype(np.float64), probs)   # the float32 values, exactly
+    labels = decode_lines(b"\n".join(held), CRITEO, "held", 0)[0].labels
+    assert abs(accuracy(served32, labels).auc - summary.test["auc"]) <= 1e-6
+    # `stream-ctr predict` on the same lines: the same float32 numbers, bit for bit.
+    assert main(["predict", str(tmp / "bundle"), "--out", str(tmp / "p.npy"), "--quiet"]) == 0
+    assert np.array_equal(np.load(tmp / "p.npy"), served32)
+    # The same records as a JSON array of lines. 50 rows go through smaller matmuls than
+    # 1,449 do (another blocking of the sums): equal to a float32 rounding, not bit for bit.
+    status, body = request(served, "POST", "/predict",
+                           json.dumps([x.decode() for x in held[:50]]).encode(), "application/json")
+    assert status == 200
+    assert np.abs(np.array(json.loads(body)["probabilities"], np.float32) - served32[:50]).max() <= 1e-6
+
+
+def test_a_bad_record_is_a_400_that_names_it(served):
+    good = sample_lines()[0].decode()
+    status, body = request(served, "POST", "/predict", f"{good}\n1\t2\t3\n{good}\n".encode())
+    err = json.loads(body)
+    assert status == 400
+    assert "record 1: field_count" in err["error"] and "expected 40 tab-separated fields" in err["error"] \
+        or "expected 40 tab-separated fields" in err["records"][0]["detail"]
+    assert err["records"][0]["index"] == 1
+    status, body = request(served, "POST", "/predict", good.replace("0", "x", 1).encode())
+    assert status == 400 and json.loads(body)["records"][0]["reason"] == "bad_label"
+    for bad in (b"[1, 2]", b"[\"unterminated", b"{\"a\": 1}", b""):
+        status, body = request(served, "POST", "/predict", bad, "application/json")
+        assert status == 400 and json.loads(body)["error"], bad
+    assert request(served, "GET", "/nowhere")[0] == 404
+
+
+def test_healthz_and_metrics(run, served):
+    status, body = request(served, "GET", "/healthz")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    request(served, "POST", "/predict", sample_lines()[0])
+    status, body = request(served, "GET", "/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    samples = {s.name: s for f in families.values() for s in f.samples}
+    for name in SERIES:
+        base = name.removesuffix("_total")
+        assert base in families, name
+    assert samples["stream_ctr_serving_records_scored_total"].value >= 1
+    assert samples["stream_ctr_serving_request_seconds_count"].value >= 1
+    info = samples["stream_ctr_serving_model_info"]
+    assert info.labels["version"] == json.loads(request(served, "GET", "/healthz")[1])["model_version"]
+    assert 0 <= samples["stream_ctr_serving_model_age_seconds"].value < 3600
+
+
+def test_a_bundle_without_a_checkpoint_time_still_serves(run, tmp_path):
+    """Bundles exported before manifests carried `checkpoint.time_s`: no model age, no error."""
+    tmp, _ = run
+    bundle = read_bundle(tmp / "bundle")
+    bundle.manifest["checkpoint"].pop("time_s")
+    predictor = Predictor(Scorer(bundle))
+    try:
+        status, _ = predictor.predict(sample_lines()[0])
+        assert status == 200
+        names = {s.name for f in predictor.metrics.registry.collect() for s in f.samples}
+        assert "stream_ctr_serving_model_step" in names and "stream_ctr_serving_model_age_seconds" not in names
+    finally:
+        predictor.close()
+
+
+def test_swapping_models_while_requests_run(run):
+    """Clients post all the time while the model flips between two bundles; every answer
+    is the named model's answer, none fails, and both models answered."""
+    tmp, _ = run
+    new, old = Scorer(read_bundle(tmp / "bundle")), Scorer(read_bundle(tmp / "bundle40"))
+    lines = sample_lines()[:64]
+    body = b"\n".join(lines)
+    batch = decode_lines(body, CRITEO, "x", 0)[0]
+    expect = {new.version: new.score(batch), old.version: old.score(batch)}
+    assert np.abs(expect[new.version] - expect[old.version]).max() > 1e-3
+    server = Server(new, port=0, max_wait_s=0.002).start()
+    seen: list[tuple[str, np.ndarray]] = []
+    errors: list[object] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        while not stop.is_set():
+            conn.request("POST", "/predict", body=body)
+            resp = conn.getresponse()
+            out = resp.read()
+            if resp.status != 200:
+                errors.append(out)
+                continue
+            a = json.loads(out)
+            seen.append((a["model_version"], np.array(a["probabilities"], np.float32)))
+        conn.close()
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(20):
+            server.swap(old if i % 2 == 0 else new)
+            while len(seen) < 5 * (i + 1) and not errors:
+                threading.Event().wait(0.005)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        server.close()
+    assert errors == []
+    assert {v for v, _ in seen} == set(expect)
+    for version, probs in seen:         # coalesced calls may differ in the last float32 bit
+        assert np.abs(probs - expect[version]).max() <= 1e-6
+    swaps = server.predictor.metrics.registry.get_sample_value("stream_ctr_serving_model_swaps_total")
+    assert swaps == 20
+
+
+def test_swap_refuses_a_model_of_other_records(run):
+    tmp, _ = run
+    predictor = Predictor(Scorer(read_bundle(tmp / "bundle")))
+    try:
+        other = Scorer(read_bundle(tmp / "bundle"))
+        other.n_dense = 0
+        with pytest.raises(ValueError, match="other records"):
+            predictor.swap(other)
+    finally:
+        predictor.close()
+
+
+def test_concurrent_requests_are_coalesced_into_one_scoring_call(run):
+    tmp, _ = run
+    scorer = Scorer(read_bundle(tmp / "bundle"))
+    predictor = Predictor(scorer, max_wait_s=0.5, max_batch_records=1000)
+    lines = sample_lines()
+    bodies = [b"\n".join(lines[i * 10:(i + 1) * 10]) for i in range(8)]
+    results: list[tuple[int, bytes] | None] = [None] * 8
+    try:
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, predictor.predict(bodies[i])))
+                   for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        registry = predictor.metrics.registry
+        calls = registry.get_sample_value("stream_ctr_serving_batch_records_count")
+        assert registry.get_sample_value("stream_ctr_serving_batch_records_sum") == 80
+        assert calls < 8                                  # some requests shared a call
+        for i, (status, out) in enumerate(results):
+            assert status == 200
+            alone = scorer.score(decode_lines(bodies[i], CRITEO, "x", 0)[0])
+            assert np.abs(np.array(json.loads(out)["probabilities"], np.float32) - alone).max() <= 1e-6
+    finally:
+        predictor.close()
+
+
+def test_request_error_of_an_oversized_body():
+    with pytest.raises(RequestError) as e:
+        from stream_ctr.serving.predictor import MAX_BODY_BYTES, parse_body
+        parse_body(b"x" * (MAX_BODY_BYTES + 1), "", CRITEO)
+    assert e.value.status == 413
