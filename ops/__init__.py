@@ -3,6 +3,7 @@
     dispatch          which path an op takes (Triton on CUDA, reference elsewhere)
     cowclip_adam      fused CowClip + sparse Adam over the rows of a batch
     embedding_gather  gather of unique rows into batch slots, and its backward
+    jagged_pool       sum/mean pooling of bags of unique rows (multi-hot fields), and its backward
 
 Imports torch (and triton lazily, on the first Triton call); never the rest
 of stream_ctr.
