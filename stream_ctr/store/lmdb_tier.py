@@ -43,6 +43,7 @@ from __future__ import annotations
 import errno
 import gc
 import secrets
+import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -284,13 +285,24 @@ class LmdbTier:
                 "checkpoint more often (undo logs shrink) or lower store.ttl_steps")
         self.env.set_mapsize(min(self.cap_bytes, 2 * size))
 
+    def _space_note(self) -> str:
+        """How big the store is and what its disk has left (what a user who must free space asks)."""
+        try:
+            used_mib = (Path(self.path) / "data.mdb").stat().st_size / 2**20
+            free_mib = shutil.disk_usage(self.path).free / 2**20
+        except OSError:
+            return "its size is unknown"
+        return (f"data.mdb takes {used_mib:,.1f} MiB, grows in steps of up to its size, and the "
+                f"disk has {free_mib:,.1f} MiB free")
+
     def _error(self, e: Exception) -> StoreError:
         text = str(e)
         # LMDB reports a short write (disk full, file size limit) as EIO.
         if any(t in text for t in _WRITE_FAILED) or getattr(e, "errno", None) in _WRITE_ERRNOS:
             return StoreError(f"cannot write the LMDB store at {self.path} ({text}): the disk is "
-                              "probably full; free space or move store.store_dir (the last "
-                              "checkpoint is intact)")
+                              f"probably full ({self._space_note()}); free space or move "
+                              "store.store_dir to a larger disk, then --resume the run: its "
+                              "last checkpoint, if any, is intact")
         return StoreError(f"LMDB error in the store at {self.path}: {text}")
 
     def apply(self, batch: WriteBatch) -> None:

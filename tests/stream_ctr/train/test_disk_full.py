@@ -75,3 +75,24 @@ def test_resume_by_run_directory_finds_checkpoints_kept_on_another_disk(tmp_path
     assert resumed.returncode == 0, resumed.stderr
     assert "starting a new run" not in resumed.stderr
     assert json.loads(resumed.stdout)["records_trained_total"] == 6400
+
+
+def test_a_full_store_disk_during_a_tier_flush_stops_cleanly_and_the_run_resumes(tmp_path, small_disk):
+    """The tiered store's LMDB tier on the 20 MiB disk (it needs ~41 MiB for the sample)."""
+    run_dir = tmp_path / "run"
+    tiered = ["--set", "store.kind=tiered", "--set", f"store.store_dir={small_disk / 'store'}",
+              "--set", "store.ram_bytes=1MiB", "--set", "store.cache_bytes=600KiB"]
+    first = _train("--run-dir", str(run_dir), "--checkpoint-every", "20", *tiered)
+    assert first.returncode != 0
+    error = [l for l in first.stderr.splitlines() if l.strip()][-1]
+    assert error.startswith("stream-ctr: error: cannot write the LMDB store at ")
+    assert "MiB free" in error and "Traceback" not in first.stderr
+    step = load_checkpoint(run_dir / "checkpoints").step
+    assert step >= 20
+
+    subprocess.run(["mount", "-o", "remount,size=128m", str(small_disk)], check=True)
+    resumed = _train("--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads(resumed.stdout)
+    assert summary["records_trained_total"] == SAMPLE_TRAIN_RECORDS
+    assert summary["records_trained"] == SAMPLE_TRAIN_RECORDS - step * 64
