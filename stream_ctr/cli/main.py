@@ -38,6 +38,7 @@ EPILOG = """examples:
   stream-ctr bench merge                            # k-step merge: bytes, ms/step, AUC per k
   stream-ctr bench kernels --dims 10,16,64,128      # ops/ kernels: GB/s vs a device copy
   stream-ctr bench step                             # DeepFM steps/s, torch reference vs Triton
+  stream-ctr bench serve bundle                     # predict server: p50/p99 at 1 rec/request, records/s at 256
 
 options can also come from a TOML file (--config, or $STREAM_CTR_CONFIG) and from
 --set section.name=value (sections: data, model, optim, train, metrics, kafka,
@@ -219,6 +220,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     add_bench_scaling_parser(bsub, _add_common)
     from stream_ctr.bench.decode import add_bench_decode_parser
     add_bench_decode_parser(bsub, _add_common)
+    from stream_ctr.bench.serve import add_bench_serve_parser
+    add_bench_serve_parser(bsub, _add_common)
 
 
 def _report_parser(sub: argparse._SubParsersAction) -> None:

@@ -83,7 +83,9 @@ def add_serving_parsers(sub: argparse._SubParsersAction, add_common) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--device", default="cpu", help="torch device to score on")
     s.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the bundle's")
-    s.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    s.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: "
+                   "one scoring thread works at a time, and more intra-op threads spin against the "
+                   "HTTP threads; measured 1.4-7x the records/s of torch's default on 2 vCPUs)")
     s.add_argument("--max-batch-records", type=int, default=4096,
                    help="records one scoring call may coalesce from waiting requests")
     s.add_argument("--max-wait-ms", type=float, default=0.0, help="how long the scoring thread "

@@ -250,3 +250,19 @@ def test_request_error_of_an_oversized_body():
         from stream_ctr.serving.predictor import MAX_BODY_BYTES, parse_body
         parse_body(b"x" * (MAX_BODY_BYTES + 1), "", CRITEO)
     assert e.value.status == 413
+
+
+def test_bench_serve_prints_its_rows(run, capsys):
+    """`stream-ctr bench serve` runs end to end (numbers are not asserted: the machine is shared)."""
+    tmp, _ = run
+    out = json.loads(_cli(capsys, "bench", "serve", str(tmp / "bundle"), "--clients", "2",
+                          "--seconds", "0.3", "--warmup-seconds", "0.1", "--batching", "coalesce"))
+    rows = out["rows"]
+    assert [(r["http"], r["batching"], r["records_per_request"]) for r in rows] == \
+        [("stdlib", "coalesce", 1), ("stdlib", "coalesce", 256)]
+    assert all(r["requests"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in rows)
+
+
+def _cli(capsys, *args) -> str:
+    assert main([*args, "--json"]) == 0
+    return capsys.readouterr().out.strip().splitlines()[-1]

@@ -1,0 +1,164 @@
+"""`stream-ctr bench serve`: latency and throughput of `stream-ctr serve` over loopback HTTP.
+
+For each HTTP stack (`--http`) and batching mode (`--batching`: coalesce concurrent
+requests in one scoring call, or score each alone) it starts `stream-ctr serve
+BUNDLE` as a subprocess on a free 127.0.0.1 port, then `--clients` client threads
+each POST over one keep-alive connection for `--seconds`: once with 1 record a
+request (p50 / p99 latency) and once with 256 (records/s). The records are lines
+of the bundle's own source file (the held-out lines first), sent as
+newline-delimited text. Every answer is checked (200, one probability a record).
+
+What it is not: the clients are Python threads on the same machine as the server
+(on a small machine they take CPU the server would use), and TCP is loopback; a
+client in another process on another host sees the network's latency on top.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+RECORDS_PER_REQUEST = (1, 256)
+
+
+def add_bench_serve_parser(bsub: argparse._SubParsersAction, add_common) -> None:
+    b = bsub.add_parser("serve", help="predict server: p50/p99 at 1 record/request, records/s at 256",
+                        description=__doc__.split("\n\n")[0])
+    b.add_argument("bundle", help="bundle directory (stream-ctr export)")
+    b.add_argument("--clients", type=int, default=4, help="concurrent client connections (default 4)")
+    b.add_argument("--seconds", type=float, default=5.0, help="measured seconds per row (default 5)")
+    b.add_argument("--warmup-seconds", type=float, default=1.0, help="unmeasured seconds first")
+    b.add_argument("--http", default="stdlib", help="comma-separated stacks: stdlib, aiohttp "
+                   "(aiohttp must be importable; default stdlib)")
+    b.add_argument("--batching", default="coalesce,alone", help="comma-separated: coalesce "
+                   "(one scoring call for the requests waiting) and/or alone (default both)")
+    b.add_argument("--threads", type=int, default=None, help="the server's torch threads")
+    add_common(b)
+    b.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> tuple[dict, str]:
+    from stream_ctr.config import ConfigError
+    stacks, modes = args.http.split(","), args.batching.split(",")
+    if args.clients < 1 or args.seconds <= 0 or not set(modes) <= {"coalesce", "alone"} \
+            or not set(stacks) <= {"stdlib", "aiohttp"}:
+        raise ConfigError("bench serve: --clients >= 1, --seconds > 0, --http from stdlib,aiohttp, "
+                          "--batching from coalesce,alone")
+    lines = bundle_lines(args.bundle, max(RECORDS_PER_REQUEST) * args.clients)
+    rows = []
+    for stack in stacks:
+        for mode in modes:
+            rows += bench_server(args.bundle, lines, stack, mode == "coalesce", args.clients,
+                                 args.seconds, args.warmup_seconds, args.threads)
+    if not args.json:
+        print(format_serve_table(rows, args.clients))
+    from stream_ctr.bench.ingest import _machine
+    best = max((r for r in rows if r["records_per_request"] == max(RECORDS_PER_REQUEST)),
+               key=lambda r: r["records_per_s"])
+    one = min((r for r in rows if r["records_per_request"] == 1), key=lambda r: r["p50_ms"])
+    return ({"bench": "serve", "machine": _machine(), "clients": args.clients, "rows": rows},
+            f"bench serve: p50 {one['p50_ms']:.2f} ms / p99 {one['p99_ms']:.2f} ms at 1 record a "
+            f"request ({one['http']}, {one['batching']}); {best['records_per_s']:,.0f} records/s at "
+            f"256 ({best['http']}, {best['batching']}); {args.clients} clients")
+
+
+def bundle_lines(bundle: str, n: int) -> list[bytes]:
+    """`n` data lines of the bundle's run's source file (its held-out lines first)."""
+    from stream_ctr.config import ConfigError
+    from stream_ctr.connectors.files import detect_format, open_binary
+    from stream_ctr.serving.bundle import read_manifest
+    m = read_manifest(bundle)
+    run = m["run"]
+    if "://" in run["source"]:
+        raise ConfigError(f"bench serve: the bundle's run read a stream ({run['source']}); "
+                          "it needs a bundle trained on a file to take records from")
+    fmt, path = detect_format(run["source"], m["record_format"].get("schema", ""))
+    with open_binary(path) as f:
+        data = f.read().splitlines()[1 if fmt.has_header else 0:]
+    start = (run.get("held_out") or {}).get("start", 0)
+    data = [x for x in data[start:] + data[:start] if x.strip()]
+    return (data * (n // max(len(data), 1) + 1))[:n]
+
+
+def start_server(bundle: str, stack: str, coalesce: bool, threads: int | None) -> tuple[subprocess.Popen, int]:
+    cmd = [sys.executable, "-m", "stream_ctr", "serve", bundle, "--port", "0", "--http", stack]
+    cmd += ([] if coalesce else ["--no-coalesce"]) + ([f"--threads={threads}"] if threads else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
+    line = proc.stdout.readline()
+    if not line.startswith("serving "):
+        proc.kill()
+        raise RuntimeError(f"stream-ctr serve did not start: {line}{proc.stderr.read()}")
+    return proc, int(line.split("http://127.0.0.1:")[1].split()[0])
+
+
+def bench_server(bundle: str, lines: list[bytes], stack: str, coalesce: bool, clients: int,
+                 seconds: float, warmup: float, threads: int | None) -> list[dict]:
+    proc, port = start_server(bundle, stack, coalesce, threads)
+    try:
+        rows = []
+        for k in RECORDS_PER_REQUEST:
+            bodies = [b"\n".join(lines[c * k:(c + 1) * k]) + b"\n" for c in range(clients)]
+            lat = _load(port, bodies, k, warmup, seconds)
+            lat.sort()
+            n = len(lat)
+            rows.append({"http": stack, "batching": "coalesce" if coalesce else "alone",
+                         "records_per_request": k, "clients": clients, "requests": n,
+                         "requests_per_s": n / seconds, "records_per_s": n * k / seconds,
+                         "p50_ms": 1e3 * lat[n // 2], "p99_ms": 1e3 * lat[min(int(n * 0.99), n - 1)]})
+        return rows
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _load(port: int, bodies: list[bytes], k: int, warmup: float, seconds: float) -> list[float]:
+    """Per-request latencies (s) of requests that started in the measured window."""
+    lat: list[list[float]] = [[] for _ in bodies]
+    errors: list[str] = []
+    t_start = time.perf_counter() + warmup
+    t_end = t_start + seconds
+
+    def client(c: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                if t0 >= t_end:
+                    return
+                conn.request("POST", "/predict", body=bodies[c], headers={"Content-Type": "text/plain"})
+                resp = conn.getresponse()
+                out = resp.read()
+                dt = time.perf_counter() - t0
+                if resp.status != 200 or len(json.loads(out)["probabilities"]) != k:
+                    errors.append(out[:200].decode(errors="replace"))
+                    return
+                if t0 >= t_start:
+                    lat[c].append(dt)
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"bench serve: a request failed: {errors[0]}")
+    return [x for per in lat for x in per]
+
+
+def format_serve_table(rows: list[dict], clients: int) -> str:
+    head = (f"{'http':<8} {'batching':<9} {'rec/req':>7} {'requests/s':>10} {'records/s':>10} "
+            f"{'p50 ms':>7} {'p99 ms':>7}")
+    out = [f"stream-ctr serve, {clients} concurrent keep-alive clients on 127.0.0.1", head, "-" * len(head)]
+    for r in rows:
+        out.append(f"{r['http']:<8} {r['batching']:<9} {r['records_per_request']:>7} "
+                   f"{r['requests_per_s']:>10,.0f} {r['records_per_s']:>10,.0f} "
+                   f"{r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f}")
+    return "\n".join(out)
