@@ -49,6 +49,10 @@ class RecordFormat:
         return self.n_keys
 
     @property
+    def max_keys_per_record(self) -> int:
+        return self.n_keys
+
+    @property
     def delimiter_byte(self) -> int:
         return ord(self.delimiter)
 

@@ -241,6 +241,11 @@ class Schema:
         """Embedded fields the model sees: the key columns, then one pooled per multi-hot field."""
         return self.n_keys + len(self.multi_fields)
 
+    @property
+    def max_keys_per_record(self) -> int:
+        """The most keys one record can bring (the store plans its working set from it)."""
+        return self.n_keys + sum(f.max_len for f in self.multi_fields)
+
     # What FileSource and the CLI read of a RecordFormat, so a Schema can stand in for one.
     @property
     def has_header(self) -> bool:

@@ -8,7 +8,9 @@ column) gets a kind, and a comment saying why:
 - the event time: the first string field in a common time format, or a
   number in the range of epoch seconds or milliseconds under a name that says
   time (ts, time, date);
-- `ignore`: lists (multi_hot is not decoded yet), objects of mixed shape, and
+- `multi_hot`: lists of scalars (max_len the longest list sampled, mean
+  pooling; the comment gives the length distribution);
+- `ignore`: lists of objects or lists, objects of mixed shape, and
   strings unique to nearly every record (request ids: no two records share one,
   so they teach nothing);
 - `categorical`: strings, booleans, and integers with few distinct values;
@@ -31,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from stream_ctr.connectors.schema import (CategoricalField, EventTimeField, Field, IgnoreField, LabelField,
-                                          NumericField, Schema, SchemaError, parse_schema, schema_to_toml)
+                                          MultiHotField, NumericField, Schema, SchemaError, parse_schema,
+                                          schema_to_toml)
 
 try:
     from orjson import loads as _loads
@@ -221,9 +224,7 @@ def _guess_one(name: str, path: str, leaf: _Leaf, n: int, have_time: bool) -> tu
         return IgnoreField(name, path), "always missing or null in the sample"
     kinds = {_kind_of(v) for v in values}
     if "list" in kinds:
-        lengths = [len(v) for v in values if isinstance(v, list)]
-        return IgnoreField(name, path), (f"a list of {min(lengths)}-{max(lengths)} items: a multi-hot "
-                                         "feature, not decoded yet (multi_hot comes with jagged keys)")
+        return _guess_list(name, path, values, optional, kinds, missing_note)
     if "object" in kinds or len(kinds - {"int", "float"}) > 1:
         if kinds <= {"str", "int", "float", "bool"}:
             return (CategoricalField(name, path, optional=optional),
@@ -265,6 +266,24 @@ def _guess_one(name: str, path: str, leaf: _Leaf, n: int, have_time: bool) -> tu
     return (NumericField(name, path, transform="standardize", mean=round(mean, 6), std=float(f"{std:.6g}"),
                          optional=optional),
             f"numbers {lo:g}..{hi:g}: standardized with the sample's mean and std{missing_note}")
+
+
+def _guess_list(name: str, path: str, values: list[Any], optional: bool, kinds: set[str],
+                missing_note: str) -> tuple[Field, str]:
+    """A list of scalars is multi-hot: max_len the sample's longest list, mean pooling."""
+    lengths = np.array([len(v) for v in values if isinstance(v, list)], dtype=np.int64)
+    spread = (f"{lengths.min()}-{lengths.max()} items (median {np.median(lengths):g}, "
+              f"p90 {np.percentile(lengths, 90):g}, {np.mean(lengths == 0):.0%} empty)")
+    if kinds != {"list"}:
+        return IgnoreField(name, path), f"lists of {spread} mixed with {', '.join(sorted(kinds - {'list'}))}"
+    element_kinds = {_kind_of(x) for v in values for x in v}
+    if element_kinds - {"str", "int", "float", "bool"}:
+        return IgnoreField(name, path), f"lists of {spread} holding {', '.join(sorted(element_kinds))}"
+    max_len = max(int(lengths.max()), 1)
+    return (MultiHotField(name, path, max_len=max_len, pooling="mean", optional=optional),
+            f"lists of {spread}, {'/'.join(sorted(element_kinds)) or 'no'} elements: multi-hot, each "
+            f"element hashed as a categorical value;\nmax_len = the longest in the sample (a longer list "
+            f"keeps its first {max_len}); mean pooling{missing_note}")
 
 
 def _kind_of(v: Any) -> str:

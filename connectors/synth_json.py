@@ -12,7 +12,7 @@ A record (16 leaves, one nested object, one list)::
 
 Ids are Zipf-distributed; `campaign_id` is a function of `ad_id`; `ts` grows
 (ms since the epoch, a few ms apart); `history` holds 0-50 ad ids the user
-clicked before (a multi-hot feature, `ignore` until multi_hot is decoded).
+clicked before (a multi-hot feature).
 
 The teacher: a logistic model with one hashed weight per (field, id) of
 user, ad, site, placement, os, model and country, a position and a price
@@ -145,7 +145,7 @@ def _render(c: dict, clicked: np.ndarray) -> bytes:
 
 
 # The schema a person would write for this log (what `stream-ctr schema infer` proposes, give or
-# take the comments): 14 decoded fields, the history list left out until multi_hot is decoded.
+# take the comments): 15 decoded fields, the history list a multi-hot field (mean-pooled).
 AD_LOG_SCHEMA = """\
 [schema]
 encoding = "json"
@@ -202,5 +202,6 @@ transform = "log1p"
 kind = "categorical"
 
 [schema.fields.history]
-kind = "ignore"
+kind = "multi_hot"
+pooling = "mean"
 """

@@ -101,7 +101,7 @@ def synthetic_batches(batch_sizes: list[int]) -> tuple[dict[int, list[Batch]], i
     data = Batch.concat(chunks)
     batches = {bs: [data.slice(i * bs, (i + 1) * bs) for i in range(DISTINCT_BATCHES)]
                for bs in batch_sizes}
-    return batches, fmt.n_keys, fmt.n_dense
+    return batches, fmt.n_model_fields, fmt.n_dense
 
 
 def bench_step(batch_sizes: list[int], steps: int, device: torch.device, model: str = "deepfm",

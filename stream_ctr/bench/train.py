@@ -100,7 +100,7 @@ def _worker(path: str, model: str, batch_size: int, threads: int, precision: str
     batches = _batches(path, batch_size)
     decode_s = time.perf_counter() - t0
     records = sum(len(b) for b in batches)
-    trainer = Trainer(cfg, fmt.n_keys, fmt.n_dense)
+    trainer = Trainer(cfg, fmt.n_model_fields, fmt.n_dense, keys_per_record=fmt.max_keys_per_record)
     phases = {"prepare": 0.0, "forward_backward": 0.0, "update": 0.0}
     t0 = time.perf_counter()
     for batch in batches:
@@ -113,7 +113,7 @@ def _worker(path: str, model: str, batch_size: int, threads: int, precision: str
     del batches
 
     # Including decoding: a fresh model on the file, the way `train` runs.
-    trainer = Trainer(cfg, fmt.n_keys, fmt.n_dense)
+    trainer = Trainer(cfg, fmt.n_model_fields, fmt.n_dense, keys_per_record=fmt.max_keys_per_record)
     t0 = time.perf_counter()
     fmt, p = detect_format(f"criteo:{path}")
     batcher = MicroBatcher(batch_size)
@@ -128,7 +128,7 @@ def _worker(path: str, model: str, batch_size: int, threads: int, precision: str
         torch.cuda.synchronize()
     total_s = time.perf_counter() - t0
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    in_features = fmt.n_keys * cfg.model.embed_dim + fmt.n_dense
+    in_features = fmt.n_model_fields * cfg.model.embed_dim + fmt.n_dense
     bare = {p: bare_mlp_samples_per_s(in_features, cfg.model.mlp_dims, batch_size, p, trainer.device)
             for p in ("fp32", "bf16")}
     queue.put({"model": model, "batch_size": batch_size, "records": records,

@@ -2,8 +2,9 @@
 
     layers     the building blocks (MLP, linear logit, FM term, cross networks)
     networks   the four models and `build_model`
+    field_inputs  a batch's keys (fixed and multi-hot) -> the models' [B, F + M] inputs
 
-May import config only (and torch).
+May import config, connectors (the Batch) and ops (and torch).
 """
 from stream_ctr.models.networks import CTRModel, build_model
 

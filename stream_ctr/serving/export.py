@@ -56,7 +56,7 @@ def export_bundle(tensors: dict[str, Any], config: dict[str, Any], out: str | Pa
         for keys, rows in chunks:
             writer.add(keys, rows)
         manifest = {
-            "model": dataclasses.asdict(cfg.model), "n_fields": fmt.n_keys, "n_dense": fmt.n_dense,
+            "model": dataclasses.asdict(cfg.model), "n_fields": fmt.n_model_fields, "n_dense": fmt.n_dense,
             "record_format": {"name": fmt.name, "key_fields": list(fmt.key_fields),
                               "n_dense": fmt.n_dense, "has_header": fmt.has_header,
                               "delimiter": fmt.delimiter, "keys": "connectors/hashing.py (63-bit signs)",

@@ -21,7 +21,7 @@ from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.files import FileSource
 from stream_ctr.connectors.formats import RecordFormat
 from stream_ctr.models.networks import build_model
-from stream_ctr.ops.embedding_gather import gather_rows
+from stream_ctr.models.field_inputs import batch_keys, field_inputs
 from stream_ctr.serving.bundle import Bundle, BundleError, model_config_fields
 from stream_ctr.store.embedding import init_rows
 
@@ -83,18 +83,14 @@ class Scorer:
     @torch.no_grad()
     def score(self, batch: Batch) -> np.ndarray:
         """Click probabilities float32 [B] of a decoded batch."""
-        if batch.n_fields != self.n_fields or batch.n_dense != self.n_dense:
-            raise BundleError(f"records with {batch.n_fields} key and {batch.n_dense} dense fields, "
+        if batch.n_fields + batch.n_multi != self.n_fields or batch.n_dense != self.n_dense:
+            raise BundleError(f"records with {batch.n_fields + batch.n_multi} key and {batch.n_dense} dense fields, "
                               f"the bundle's model takes {self.n_fields} and {self.n_dense} "
                               f"({self.bundle.manifest['record_format']['name']} records)")
-        b = len(batch)
         dense = torch.from_numpy(batch.dense).to(self.device)
-        keys = torch.from_numpy(batch.keys).to(self.device).view(-1)
+        keys = torch.from_numpy(batch_keys(batch)).to(self.device)   # fixed, then multi-hot keys
         uniq, inverse = torch.unique(keys, return_inverse=True)
-        rows = self.rows(uniq)
-        d = self.dim
-        emb = gather_rows(rows[:, :d].contiguous(), inverse).view(b, self.n_fields, d)
-        lin = rows[:, d][inverse].view(b, self.n_fields)
+        emb, lin = field_inputs(self.rows(uniq), inverse, batch, self.dim)
         with self._autocast():
             logits = self.model(emb, lin, dense)
         return torch.sigmoid(logits.float()).cpu().numpy()

@@ -163,7 +163,8 @@ class Run:
                     f"{done:,}, past where data.holdout_fraction = {cfg.data.holdout_fraction:g} "
                     f"starts the held-out lines ({self.train_end:,}); resume with the run's "
                     f"holdout ({saved.data.holdout_fraction:g}) or train into a new --run-dir")
-        self.trainer = Trainer(cfg, self.fmt.n_keys, self.fmt.n_dense)
+        self.trainer = Trainer(cfg, self.fmt.n_model_fields, self.fmt.n_dense,
+                               keys_per_record=self.fmt.max_keys_per_record)
         self.window = PrequentialWindow(cfg.train.eval_window_records, cfg.train.eval_refresh_s)
         self.positions: dict[str, int] = {}
         self.epoch, self.total_before = 0, 0
@@ -491,7 +492,8 @@ def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str | N
         source = own
     fmt, path = detect_format(source, schema or cfg.data.schema)
     saved_fmt = source_format(cfg)
-    if (saved_fmt.name, saved_fmt.n_keys, saved_fmt.n_dense) != (fmt.name, fmt.n_keys, fmt.n_dense):
+    if (saved_fmt.name, saved_fmt.n_keys, saved_fmt.pooling, saved_fmt.n_dense) != \
+            (fmt.name, fmt.n_keys, fmt.pooling, fmt.n_dense):
         raise ConfigError(f"checkpoint was trained on {saved_fmt.name} records, "
                           f"{source} is {fmt.name}: their features do not match")
     n_total = count_records(path, fmt)
@@ -505,7 +507,8 @@ def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str | N
     else:
         start, rows = 0, "all records (the run held none out: it trained on them)"
     configure_torch(cfg)
-    trainer = Trainer(cfg, fmt.n_keys, fmt.n_dense, read_only=True)   # never moves a row
+    trainer = Trainer(cfg, fmt.n_model_fields, fmt.n_dense, read_only=True,   # never moves a row
+                      keys_per_record=fmt.max_keys_per_record)
     trainer.load_state_tensors(state.tensors["trainer"])
     acc = evaluate(trainer, path, fmt, start, stop, cfg.data.chunk_records)
     trainer.store.close()

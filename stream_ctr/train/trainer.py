@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from stream_ctr.connectors.batch import Batch
-from stream_ctr.ops.embedding_gather import gather_rows
 from stream_ctr.config import Config, resolve_optim
 from stream_ctr.store.embedding import EmbeddingStore
 from stream_ctr.store import build_store
 from stream_ctr.models.networks import build_model
+from stream_ctr.models.field_inputs import batch_keys, field_inputs
 from stream_ctr.train.precision import autocast, resolve_precision
 
 
@@ -66,7 +66,11 @@ class StepResult:
 
 class Trainer:
     def __init__(self, cfg: Config, n_fields: int, n_dense: int,
-                 store: EmbeddingStore | None = None, read_only: bool = False) -> None:
+                 store: EmbeddingStore | None = None, read_only: bool = False,
+                 keys_per_record: int | None = None) -> None:
+        """`n_fields`: the fields the model sees (key columns + multi-hot fields, the
+        format's `n_model_fields`); `keys_per_record`: the most keys one record brings
+        (`max_keys_per_record`; default n_fields), which sizes the store's working set."""
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
         self.precision = resolve_precision(cfg.train.precision, self.device)
@@ -76,7 +80,7 @@ class Trainer:
         self.model = build_model(cfg.model, n_fields, n_dense).to(self.device)
         # The configured store ([store] kind: memory, or tiered cache/RAM/LMDB);
         # read_only for evaluation, which must not move or roll back any row.
-        self.store = store or build_store(cfg, n_fields, self.device, read_only=read_only)
+        self.store = store or build_store(cfg, keys_per_record or n_fields, self.device, read_only=read_only)
         self._next: tuple[Batch, tuple[torch.Tensor, ...]] | None = None
         # The settings this batch size trains with (scaling rule applied); every
         # update reads these, never cfg.optim.
@@ -168,25 +172,25 @@ class Trainer:
         labels = torch.from_numpy(batch.labels).to(self.device, non_blocking=True)
         return dense, labels
 
-    def _forward(self, rows: torch.Tensor, inverse: torch.Tensor, b: int,
+    def _forward(self, rows: torch.Tensor, inverse: torch.Tensor, batch: Batch,
                  dense: torch.Tensor, model: torch.nn.Module | None = None) -> torch.Tensor:
-        """Logits from unique rows [U, d+1] and each slot's index into them [B*F].
-
-        Embedding and linear columns are split at the unique-row level, so the
-        backward of the split touches [U, d+1], not [B, F, d+1].
-        """
-        d = self.cfg.model.embed_dim
-        emb = gather_rows(rows[:, :d].contiguous(), inverse).view(b, self.n_fields, d)
-        lin = rows[:, d][inverse].view(b, self.n_fields)
+        """Logits from unique rows [U, d+1] and each key's index into them (`batch_keys`
+        order: B*F fixed keys, then the multi-hot values), through `field_inputs`:
+        the model sees [B, F + M] fields, the M multi-hot ones pooled."""
+        emb, lin = field_inputs(rows, inverse, batch, self.cfg.model.embed_dim)
+        if emb.shape[1] != self.n_fields:
+            raise ValueError(f"batch has {batch.n_fields} key and {batch.n_multi} multi-hot fields, "
+                             f"the model takes {self.n_fields} fields")
         with autocast(self.precision, self.device):
             logits = (model or self.model)(emb, lin, dense)
         return logits.float()
 
     def _working_set(self, batch: Batch) -> tuple[torch.Tensor, ...]:
-        """Unique signs, each key's index into them, and in-batch counts (CowClip's cnt)."""
+        """Unique signs over the fixed keys and every multi-hot value, each key's index
+        into them, and in-batch counts (CowClip's cnt: every occurrence of an id)."""
         if self._next is not None and self._next[0] is batch:
             return self._next[1]
-        keys = torch.from_numpy(batch.keys).to(self.device, non_blocking=True).view(-1)
+        keys = torch.from_numpy(batch_keys(batch)).to(self.device, non_blocking=True)
         return torch.unique(keys, return_inverse=True, return_counts=True)
 
     def _clock(self) -> float:
@@ -217,11 +221,11 @@ class Trainer:
         rows = self.store.weight[slots].requires_grad_()
         if self.step == 0 and self.optim.init_bias_from_data and b:
             with torch.no_grad():          # the forward and the in-place bias update
-                self._init_bias(self._forward(rows, inverse, b, dense), labels)
+                self._init_bias(self._forward(rows, inverse, batch, dense), labels)
         t1 = self._clock()
 
         # Forward on the pre-update weights (these are the prequential scores), backward.
-        logits = self._forward(rows, inverse, b, dense)
+        logits = self._forward(rows, inverse, batch, dense)
         loss = F.binary_cross_entropy_with_logits(logits, labels)
         o = self.optim
         reg = sum((p.square().sum() for p in self.l2_params.get("linear", [])), torch.zeros((), device=self.device)) * o.l2 \
@@ -255,13 +259,13 @@ class Trainer:
     def predict(self, batch: Batch) -> np.ndarray:
         """Scores without changing any state (absent keys score with their initial rows)."""
         dense, _ = self._inputs(batch)
-        keys = torch.from_numpy(batch.keys).to(self.device).view(-1)
+        keys = torch.from_numpy(batch_keys(batch)).to(self.device)
         uniq, inverse = torch.unique(keys, return_inverse=True)
         rows = self.store.peek(uniq)
         model = self.eval_model
         was_training = model.training
         model.eval()
-        logits = self._forward(rows, inverse, len(batch), dense, model)
+        logits = self._forward(rows, inverse, batch, dense, model)
         model.train(was_training)
         return torch.sigmoid(logits).cpu().numpy()
 

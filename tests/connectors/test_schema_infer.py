@@ -4,7 +4,7 @@ import json
 import pytest
 
 from stream_ctr.connectors.schema import (CategoricalField, EventTimeField, IgnoreField, LabelField,
-                                          NumericField, SchemaError)
+                                          MultiHotField, NumericField, SchemaError)
 from stream_ctr.connectors.schema_infer import infer_schema
 from stream_ctr.connectors.synth_json import write_synthetic_json
 
@@ -17,7 +17,8 @@ def test_json_ad_log(tmp_path):
     assert isinstance(kinds["clicked"], LabelField) and "positive" in comments["clicked"]
     assert isinstance(kinds["ts"], EventTimeField) and kinds["ts"].unit == "ms"
     assert isinstance(kinds["event_id"], IgnoreField) and "unique" in comments["event_id"]
-    assert isinstance(kinds["history"], IgnoreField) and "multi-hot" in comments["history"]
+    assert kinds["history"] == MultiHotField("history", "history", max_len=50, pooling="mean")
+    assert "multi-hot" in comments["history"] and "0-50 items" in comments["history"]
     assert kinds["os"] == CategoricalField("os", "device.os")
     assert isinstance(kinds["position"], CategoricalField) and "10 distinct" in comments["position"]
     assert isinstance(kinds["price"], NumericField)
@@ -44,3 +45,16 @@ def test_label_is_needed(tmp_path):
         infer_schema(path, "json")
     schema, _ = infer_schema(path, "json", label="b")
     assert schema.label == LabelField("b", "b", threshold=0.5)
+
+
+def test_lists_of_scalars_are_multi_hot_and_lists_of_objects_ignored(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join(json.dumps({"y": i % 2, "a": f"x{i % 5}", "tags": ["t"] * (i % 4),
+                                           "objs": [{"k": 1}]} | ({} if i % 3 else {"maybe": [1, 2]}))
+                              for i in range(60)))
+    schema, comments = infer_schema(path, "json")
+    kinds = {f.name: f for f in schema.fields}
+    assert kinds["tags"] == MultiHotField("tags", "tags", max_len=3, pooling="mean")
+    assert "25% empty" in comments["tags"]
+    assert kinds["maybe"] == MultiHotField("maybe", "maybe", max_len=2, pooling="mean", optional=True)
+    assert isinstance(kinds["objs"], IgnoreField)

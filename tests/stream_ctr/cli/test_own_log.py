@@ -30,7 +30,7 @@ def test_inferred_schema_trains_as_is_and_learns(ad_log, tmp_path):
     assert infer.returncode == 0, infer.stderr
     schema = tmp_path / "s.toml"
     schema.write_text(infer.stdout)
-    assert "# a list of" in infer.stdout and 'kind = "ignore"' in infer.stdout     # history, for now
+    assert "# lists of 0-50 items" in infer.stdout and 'kind = "multi_hot"' in infer.stdout   # history
     run_dir = tmp_path / "run"
     summary = last_json(run("train", f"json:{ad_log}", "--schema", schema, "--holdout-fraction", "0.1",
                             "--batch-size", "256", "--run-dir", run_dir, "--json", "--quiet"))
