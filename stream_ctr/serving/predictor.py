@@ -7,8 +7,9 @@
 * **Bodies** (`parse_body`): newline-delimited records (Criteo TSV / Avazu CSV
   lines, or JSON lines for a bundle with a declared schema), or a JSON array of
   such lines (strings) or, for a JSON schema, of objects. Records are the
-  bundle's training format without a header: the label column is there and is
-  ignored (any valid label, e.g. 0).
+  bundle's training format without a header. Criteo/Avazu lines keep their
+  label column (any valid label, e.g. 0; it is ignored); under a declared
+  schema the label may be left out.
 * **Bad records** make the whole request a 400 whose message names each bad
   record (0-based index in the request, reason, detail; the first 20): a client
   sends records it built, so a bad one is a bug to fix, not a row to skip.
@@ -26,6 +27,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -66,8 +68,17 @@ def bundle_layout(bundle: Bundle) -> RecordFormat | Schema:
     """The record layout the bundle's model takes: its declared schema, else its named format."""
     rf = bundle.manifest["record_format"]
     if rf.get("schema"):
-        return parse_schema(rf["schema"], origin=f"{bundle.path}/manifest.json schema")
+        return without_label(parse_schema(rf["schema"], origin=f"{bundle.path}/manifest.json schema"))
     return format_by_name(rf["name"])
+
+
+def without_label(schema: Schema) -> Schema:
+    """`schema` with a default for its label: a record to score need not carry one."""
+    label = schema.label
+    if label.default is not None:
+        return schema
+    return dataclasses.replace(schema, fields=tuple(dataclasses.replace(f, default=0) if f is label else f
+                                                    for f in schema.fields))
 
 
 def parse_body(body: bytes, content_type: str, layout: RecordFormat | Schema) -> bytes:

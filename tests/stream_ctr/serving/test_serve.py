@@ -266,3 +266,26 @@ def test_bench_serve_prints_its_rows(run, capsys):
 def _cli(capsys, *args) -> str:
     assert main([*args, "--json"]) == 0
     return capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_a_json_schema_bundle_takes_objects_or_lines(tmp_path):
+    """For a declared JSON schema, a JSON array of objects decodes like the same JSON lines,
+    the label may be left out, and a record missing a feature is named with the field."""
+    from stream_ctr.connectors.schema import parse_schema
+    from stream_ctr.connectors.synth_json import AD_LOG_SCHEMA, write_synthetic_json
+    from stream_ctr.serving.predictor import decode_request, parse_body, without_label
+    schema = without_label(parse_schema(AD_LOG_SCHEMA))
+    write_synthetic_json(tmp_path / "log.jsonl", 20, write_probs=False)
+    lines = (tmp_path / "log.jsonl").read_bytes().splitlines()
+    objects = [json.loads(x) for x in lines]
+    for o in objects[::2]:
+        del o["clicked"]                                    # no label: still a record to score
+    as_objects = decode_request(parse_body(json.dumps(objects).encode(), "application/json", schema), schema)
+    as_lines = decode_request(parse_body(b"\n".join(lines), "application/x-ndjson", schema), schema)
+    assert len(as_objects) == 20 and np.array_equal(as_objects.keys, as_lines.keys)
+    assert np.array_equal(as_objects.dense, as_lines.dense)
+    del objects[2]["ad_id"]
+    with pytest.raises(RequestError) as e:
+        decode_request(parse_body(json.dumps(objects[:3]).encode(), "application/json", schema), schema)
+    assert e.value.records[0]["index"] == 2 and "ad_id" in e.value.records[0]["reason"]
+    assert "record 2" in str(e.value)
