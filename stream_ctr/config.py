@@ -121,6 +121,10 @@ class TrainConfig:
     # CUDA: synchronize at each step-phase boundary so the phase metrics charge each
     # phase its own GPU time (costs some CPU/GPU overlap; CPU runs are always exact).
     sync_phases: bool = False
+    # torch.compile the dense model (inductor: fused bias+activation kernels, on CPU and
+    # CUDA). Off by default: it compiles for ~10-60 s at start and again for each new
+    # batch shape (the last partial batch, evaluation), which a short run never earns back.
+    compile: bool = False
     seed: int = 1235
     threads: int = 0                # torch intra-op threads; 0 = torch default
     deterministic: bool = True

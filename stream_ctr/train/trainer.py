@@ -94,6 +94,8 @@ class Trainer:
         self.average_updates = 0
         if cfg.train.average_dense_samples > 0:
             self.average_model = copy.deepcopy(self.model).requires_grad_(False)
+        if cfg.train.compile:       # in place: parameters and state_dict keys stay the model's
+            self.model.compile(dynamic=None)
         self.step = 0
         # Hierarchical replicas: called after backward with the records this step trained
         # (0 if skipped); makes the dense gradients the node's mean and returns the node's

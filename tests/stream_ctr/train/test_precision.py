@@ -1,4 +1,5 @@
 """bf16 matmuls (train.precision): what runs in bf16, what stays fp32, and the choice by hardware."""
+import numpy as np
 import pytest
 import torch
 
@@ -63,3 +64,24 @@ def test_the_checkpoint_records_the_precision_and_a_resume_that_changes_it_says_
     train(cfg, resume=cfg.train.run_dir, show_progress=False)
     assert "trained with bf16 matmuls, this run uses fp32" in capsys.readouterr().err
     assert load_checkpoint(cfg.train.run_dir).extra["precision"] == "fp32"
+
+
+def test_a_compiled_dense_model_trains_as_the_eager_one(tmp_path):
+    """train.compile (inductor) beside the eager path: same scores within float tolerance,
+    same state_dict keys (checkpoints and bundles do not see the compile)."""
+    from stream_ctr.train.loop import configure_torch
+    from stream_ctr.train.trainer import Trainer
+    from tests.stream_ctr.store.helpers import criteo_batches, small_config
+    batches = criteo_batches(3, tmp=tmp_path)
+    trainers = []
+    for compiled in (False, True):
+        cfg = small_config(tmp_path / f"run{compiled}", tiered=False)
+        cfg.train.precision, cfg.train.compile = "fp32", compiled
+        configure_torch(cfg)
+        trainers.append(Trainer(cfg, batches[0].n_fields, batches[0].n_dense))
+    eager, compiled = trainers
+    for b in batches:
+        torch.testing.assert_close(compiled.train_step(b).probs, eager.train_step(b).probs,
+                                   rtol=1e-4, atol=1e-5)
+    assert compiled.state_tensors()["model"].keys() == eager.state_tensors()["model"].keys()
+    np.testing.assert_allclose(compiled.predict(batches[0]), eager.predict(batches[0]), rtol=1e-4, atol=1e-5)
