@@ -84,8 +84,9 @@ def add_serving_parsers(sub: argparse._SubParsersAction, add_common) -> None:
     s.add_argument("--device", default="cpu", help="torch device to score on")
     s.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the bundle's")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: "
-                   "one scoring thread works at a time, and more intra-op threads spin against the "
-                   "HTTP threads; measured 1.4-7x the records/s of torch's default on 2 vCPUs)")
+                   "on 2 shared vCPUs more intra-op threads spin against the HTTP threads; once "
+                   "7x slower at 256 records a request, else within noise (BENCHMARKS.md); raise "
+                   "it where the server has cores to itself)")
     s.add_argument("--max-batch-records", type=int, default=4096,
                    help="records one scoring call may coalesce from waiting requests")
     s.add_argument("--max-wait-ms", type=float, default=0.0, help="how long the scoring thread "
