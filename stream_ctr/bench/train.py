@@ -32,9 +32,10 @@ from stream_ctr.config import Config
 
 
 def _bench_config(model: str, batch_size: int, threads: int, precision: str = "auto",
-                  read_ahead_chunks: int = 2) -> Config:
+                  read_ahead_chunks: int = 2, compile_model: bool = False) -> Config:
     cfg = Config()
     cfg.train.precision = precision
+    cfg.train.compile = compile_model
     cfg.data.read_ahead_chunks = read_ahead_chunks
     cfg.model.name = model
     cfg.data.batch_size = batch_size
@@ -87,11 +88,19 @@ def bare_mlp_samples_per_s(in_features: int, hidden: tuple[int, ...], batch_size
     return steps * batch_size / (time.perf_counter() - t0)
 
 
+def _warm_up(trainer, batch: Batch) -> None:
+    """train.compile: compile outside the timed loop (two steps: the first traces, the
+    second runs the compiled graph once); the eager path takes no warm-up."""
+    if trainer.cfg.train.compile:
+        for _ in range(2):
+            trainer.train_step(batch)
+
+
 def _worker(path: str, model: str, batch_size: int, threads: int, precision: str, read_ahead: int,
-            queue: mp.Queue) -> None:
+            compile_model: bool, queue: mp.Queue) -> None:
     from stream_ctr.train.trainer import Trainer
     from stream_ctr.train.loop import configure_torch
-    cfg = _bench_config(model, batch_size, threads, precision, read_ahead)
+    cfg = _bench_config(model, batch_size, threads, precision, read_ahead, compile_model)
     configure_torch(cfg)
     fmt, _ = detect_format(f"criteo:{path}")
 
@@ -102,6 +111,8 @@ def _worker(path: str, model: str, batch_size: int, threads: int, precision: str
     records = sum(len(b) for b in batches)
     trainer = Trainer(cfg, fmt.n_model_fields, fmt.n_dense, keys_per_record=fmt.max_keys_per_record)
     phases = {"prepare": 0.0, "forward_backward": 0.0, "update": 0.0}
+    warm = batches[0]
+    _warm_up(trainer, warm)
     t0 = time.perf_counter()
     for batch in batches:
         result = trainer.train_step(batch)
@@ -114,6 +125,7 @@ def _worker(path: str, model: str, batch_size: int, threads: int, precision: str
 
     # Including decoding: a fresh model on the file, the way `train` runs.
     trainer = Trainer(cfg, fmt.n_model_fields, fmt.n_dense, keys_per_record=fmt.max_keys_per_record)
+    _warm_up(trainer, warm)
     t0 = time.perf_counter()
     fmt, p = detect_format(f"criteo:{path}")
     batcher = MicroBatcher(batch_size)
@@ -134,6 +146,7 @@ def _worker(path: str, model: str, batch_size: int, threads: int, precision: str
     queue.put({"model": model, "batch_size": batch_size, "records": records,
                "device": str(trainer.device), "threads": torch.get_num_threads(),
                "precision": trainer.precision, "read_ahead_chunks": cfg.data.read_ahead_chunks,
+               "compile": cfg.train.compile,
                "bare_mlp_fp32_samples_per_s": bare["fp32"], "bare_mlp_bf16_samples_per_s": bare["bf16"],
                "vs_bare_fp32": (records / total_s) / bare["fp32"],
                "samples_per_s_excl_decode": records / train_s,
@@ -147,7 +160,7 @@ def _worker(path: str, model: str, batch_size: int, threads: int, precision: str
 
 def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
                 data: str | None = None, threads: int = 0, show_progress: bool = True,
-                precision: str = "auto", read_ahead: int = 2) -> list[dict]:
+                precision: str = "auto", read_ahead: int = 2, compile_model: bool = False) -> list[dict]:
     from stream_ctr.connectors.synth import write_synthetic_criteo
     tmp = None
     if data is None:
@@ -159,7 +172,8 @@ def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
     try:
         for bs in batch_sizes:
             queue = ctx.Queue()
-            proc = ctx.Process(target=_worker, args=(data, model, bs, threads, precision, read_ahead, queue))
+            proc = ctx.Process(target=_worker, args=(data, model, bs, threads, precision, read_ahead,
+                                                       compile_model, queue))
             proc.start()
             row = queue.get()
             proc.join()
@@ -190,5 +204,6 @@ def format_table(rows: list[dict]) -> str:
     lines.insert(1, "-+-".join("-" * w for w in widths))
     device = rows[0]["device"] if rows else "?"
     precision = rows[0].get("precision", "fp32") if rows else "?"
-    return (f"model {rows[0]['model'] if rows else '?'} on {device}, trainer in {precision}; "
+    compiled = " (torch.compile)" if rows and rows[0].get("compile") else ""
+    return (f"model {rows[0]['model'] if rows else '?'} on {device}, trainer in {precision}{compiled}; "
             f"bare MLP = the deep part alone, same process\n" + "\n".join(lines))

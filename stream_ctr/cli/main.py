@@ -204,6 +204,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="train.precision of the trainer (default auto: bf16 where the hardware runs it fast)")
     b.add_argument("--read-ahead", type=int, default=2,
                    help="data.read_ahead_chunks of the decode-included run (0: decode on the training thread)")
+    b.add_argument("--compile", action="store_true",
+                   help="train.compile: the dense model through torch.compile (compiled before timing)")
     _add_common(b)
     b.set_defaults(func=cmd_bench_train)
     from stream_ctr.cli.kafka import add_bench_ingest_parser
@@ -387,7 +389,8 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     from stream_ctr.bench.train import bench_train, format_table
     rows = bench_train(args.records, [int(x) for x in args.batch_sizes.split(",")],
                        args.model, args.data, args.threads, show_progress=not args.quiet,
-                       precision=args.precision, read_ahead=args.read_ahead)
+                       precision=args.precision, read_ahead=args.read_ahead,
+                       compile_model=args.compile)
     if not args.json:
         print(format_table(rows))
     emit(args, {"bench": "train", "rows": rows}, f"bench train: {len(rows)} configurations measured")

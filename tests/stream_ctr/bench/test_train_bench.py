@@ -22,3 +22,10 @@ def test_bench_train_reports_the_same_run_bare_mlp_and_the_ratio(capsys, precisi
                 "bare_mlp_bf16_samples_per_s", "vs_bare_fp32"):
         assert positive(row[key]), key
     assert row["vs_bare_fp32"] == pytest.approx(row["samples_per_s_incl_decode"] / row["bare_mlp_fp32_samples_per_s"])
+
+
+def test_bench_train_times_a_compiled_trainer_after_compiling(capsys):
+    assert main(["bench", "train", "--records", "3000", "--batch-sizes", "512", "--threads", "1",
+                 "--precision", "fp32", "--compile", "--json", "--quiet"]) == 0
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert row["compile"] is True and positive(row["samples_per_s_incl_decode"])
