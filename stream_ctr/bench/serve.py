@@ -104,12 +104,12 @@ def bench_server(bundle: str, lines: list[bytes], stack: str, coalesce: bool, cl
         rows = []
         for k in RECORDS_PER_REQUEST:
             bodies = [b"\n".join(lines[c * k:(c + 1) * k]) + b"\n" for c in range(clients)]
-            lat = _load(port, bodies, k, warmup, seconds)
+            lat, wall = _load(port, bodies, k, warmup, seconds)
             lat.sort()
             n = len(lat)
             rows.append({"http": stack, "batching": "coalesce" if coalesce else "alone",
                          "records_per_request": k, "clients": clients, "requests": n,
-                         "requests_per_s": n / seconds, "records_per_s": n * k / seconds,
+                         "requests_per_s": n / wall, "records_per_s": n * k / wall,
                          "p50_ms": 1e3 * lat[n // 2], "p99_ms": 1e3 * lat[min(int(n * 0.99), n - 1)]})
         return rows
     finally:
@@ -117,40 +117,60 @@ def bench_server(bundle: str, lines: list[bytes], stack: str, coalesce: bool, cl
         proc.wait(30)
 
 
-def _load(port: int, bodies: list[bytes], k: int, warmup: float, seconds: float) -> list[float]:
-    """Per-request latencies (s) of requests that started in the measured window."""
+def _load(port: int, bodies: list[bytes], k: int, warmup: float, seconds: float) -> tuple[list[float], float]:
+    """(per-request latencies in s, measured wall seconds). Each client first warms up
+    (at least 3 requests and `warmup` seconds); the window opens when all have, and
+    each client sends at least one measured request."""
     lat: list[list[float]] = [[] for _ in bodies]
     errors: list[str] = []
-    t_start = time.perf_counter() + warmup
-    t_end = t_start + seconds
+    window: dict[str, float] = {}
+
+    def open_window() -> None:          # run once, before any client passes the barrier
+        window["start"] = time.perf_counter()
+        window["end"] = window["start"] + seconds
+
+    warm = threading.Barrier(len(bodies) + 1, action=open_window)
+    ends = [0.0] * len(bodies)
+
+    def post(conn: http.client.HTTPConnection, c: int) -> float:
+        t0 = time.perf_counter()
+        conn.request("POST", "/predict", body=bodies[c], headers={"Content-Type": "text/plain"})
+        resp = conn.getresponse()
+        out = resp.read()
+        if resp.status != 200 or len(json.loads(out)["probabilities"]) != k:
+            raise RuntimeError(out[:200].decode(errors="replace"))
+        return time.perf_counter() - t0
 
     def client(c: int) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         try:
-            while True:
-                t0 = time.perf_counter()
-                if t0 >= t_end:
-                    return
-                conn.request("POST", "/predict", body=bodies[c], headers={"Content-Type": "text/plain"})
-                resp = conn.getresponse()
-                out = resp.read()
-                dt = time.perf_counter() - t0
-                if resp.status != 200 or len(json.loads(out)["probabilities"]) != k:
-                    errors.append(out[:200].decode(errors="replace"))
-                    return
-                if t0 >= t_start:
-                    lat[c].append(dt)
+            t_warm = time.perf_counter() + warmup
+            for i in range(1_000_000):
+                post(conn, c)
+                if i >= 2 and time.perf_counter() >= t_warm:
+                    break
+            warm.wait()
+            while not lat[c] or time.perf_counter() < window["end"]:
+                lat[c].append(post(conn, c))
+            ends[c] = time.perf_counter()
+        except Exception as e:          # noqa: BLE001 - reported by the caller
+            errors.append(str(e))
+            warm.abort()
         finally:
             conn.close()
 
     threads = [threading.Thread(target=client, args=(c,)) for c in range(len(bodies))]
     for t in threads:
         t.start()
+    try:
+        warm.wait()
+    except threading.BrokenBarrierError:
+        pass
     for t in threads:
         t.join()
     if errors:
         raise RuntimeError(f"bench serve: a request failed: {errors[0]}")
-    return [x for per in lat for x in per]
+    return [x for per in lat for x in per], max(ends) - window["start"]
 
 
 def format_serve_table(rows: list[dict], clients: int) -> str:

@@ -1,5 +1,5 @@
 """`stream-ctr`: train, evaluate, generate synthetic data, benchmark
-(`bench train | ingest | store | merge | kernels | step`).
+(`bench train | ingest | store | merge | kernels | step | scaling | decode | serve`).
 
 Every command ends with a one-line human summary on stdout; with `--json` that
 line is a JSON object instead (the last line of stdout). Errors a user can
