@@ -87,3 +87,29 @@ def test_schema_mistakes_are_one_clear_line(ad_log, tmp_path, args, needle, code
     out = run(*(a.format(log=ad_log, tmp=tmp_path) for a in args))
     assert (out.returncode, len(out.stderr.strip().splitlines())) == (code, 1), out.stderr
     assert needle in out.stderr
+
+
+def test_history_as_multi_hot_beats_the_same_model_with_history_ignored(tmp_path):
+    """The hidden teacher uses the mean of per-id weights over `history`: the schema infer
+    proposes (history multi_hot, mean-pooled) learns it; the same schema with history
+    ignored cannot.  On 40K records, the last 10K held out, batch 64 (the README's), 2026-11:
+    0.7651 vs 0.7581 test AUC (Bayes 0.8119); seeds 1 and 3 gave +0.67 and +0.61 points too.
+    A perfect model gains ~1.2 points from the history on this generator."""
+    log = tmp_path / "clicks.jsonl"
+    assert last_json(run("synth", "--format", "json", log, "--records", "40000", "--seed", "2",
+                         "--json"))["records"] == 40_000
+    infer = run("schema", "infer", f"json:{log}", "--label", "clicked")
+    assert infer.returncode == 0, infer.stderr
+    on = infer.stdout
+    assert on.count('kind = "multi_hot"') == 1
+    off = on.replace('kind = "multi_hot"', 'kind = "ignore"').replace('pooling = "mean"\n', "")
+    auc = {}
+    for name, text in (("on", on), ("off", off)):
+        (tmp_path / f"{name}.toml").write_text(text)
+        summary = last_json(run("train", f"json:{log}", "--schema", tmp_path / f"{name}.toml",
+                                "--holdout-fraction", "0.25", "--batch-size", "64",
+                                "--run-dir", tmp_path / name, "--json", "--quiet"))
+        assert summary["records_trained"] == 30_000 and summary["records_rejected"] == 0
+        auc[name] = summary["test_auc"]
+    assert auc["on"] > auc["off"] + 0.004, auc
+    assert auc["on"] < summary["test_bayes_auc"]
