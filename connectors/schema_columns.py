@@ -357,7 +357,17 @@ def multi_hot_keys(raw: TextColumn | JsonSpans | list[Any], field_id: int, max_l
     UTF-8, a number's JSON text, true/false).  A missing list (absent, null) is empty with
     status MISSING; a value that is not a list, or a list holding anything but strings,
     numbers and booleans, is BAD."""
+    salt = field_salt(np.int64(field_id))
+    if isinstance(raw, JsonSpans):
+        return _multi_hot_of_spans(raw, salt, max_len)
     lists, status = _lists(raw, separator)
+    keys, offsets = _keys_of_lists(lists, salt, max_len, status)
+    return keys, offsets, status
+
+
+def _keys_of_lists(lists: list[list[Any]], salt: np.ndarray, max_len: int, status: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and offsets of Python lists (rows with a bad element get status BAD)."""
     lengths = np.fromiter(map(len, lists), np.int64, len(lists))
     if len(lengths) and lengths.max() > max_len:
         lists = [v[:max_len] for v in lists]
@@ -366,36 +376,76 @@ def multi_hot_keys(raw: TextColumn | JsonSpans | list[Any], field_id: int, max_l
     np.cumsum(lengths, out=offsets[1:])
     flat = list(chain.from_iterable(lists))
     if not flat:
-        return np.zeros(0, np.int64), offsets, status
+        return np.zeros(0, np.int64), offsets
     tokens, element_status = text_of_values(flat)
     bad_elements = np.flatnonzero(element_status != OK)
     if len(bad_elements):                     # null, a list or an object inside the list
-        rows = np.searchsorted(offsets, bad_elements, side="right") - 1
-        status[rows] = BAD
-    keys = hash_spans(word_view(tokens.buf), tokens.starts, tokens.ends - tokens.starts,
-                      field_salt(np.int64(field_id)))
+        status[np.searchsorted(offsets, bad_elements, side="right") - 1] = BAD
+    keys = hash_spans(word_view(tokens.buf), tokens.starts, tokens.ends - tokens.starts, salt)
+    return keys, offsets
+
+
+_LIST_OF_INTS_BYTES = np.zeros(256, bool)
+_LIST_OF_INTS_BYTES[[ord(c) for c in "0123456789, \t\r\n"]] = True
+
+
+def _multi_hot_of_spans(raw: JsonSpans, salt: np.ndarray, max_len: int
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`multi_hot_keys` of scanned JSON: arrays of non-negative integers (the common id
+    list) are cut into their digit runs and hashed in place, vectorized; the other arrays
+    are parsed (one orjson call for them all) and take the list path.  Same keys either way:
+    an integer's token is its decimal text, which is what it is written as."""
+    tag, n = raw.tag, len(raw)
+    status = np.where((tag == json_scan.ABSENT) | (tag == json_scan.NULL), MISSING,
+                      np.where(tag == json_scan.ARRAY, OK, BAD)).astype(np.int8)
+    arrays = np.flatnonzero(tag == json_scan.ARRAY)
+    first = raw.starts[arrays] + 1                        # inside the brackets
+    n_bytes = raw.ends[arrays] - 1 - first
+    row_of_byte = np.repeat(np.arange(len(arrays)), n_bytes)
+    pos = np.arange(int(n_bytes.sum()), dtype=np.int64) + np.repeat(first - (np.cumsum(n_bytes) - n_bytes), n_bytes)
+    c = raw.buf[pos]
+    ints = np.bincount(row_of_byte[~_LIST_OF_INTS_BYTES[c]], minlength=len(arrays)) == 0
+    digit = (c >= 48) & (c <= 57)
+    same_row = row_of_byte[1:] == row_of_byte[:-1]
+    run_start = digit.copy()
+    run_start[1:] &= ~(digit[:-1] & same_row)
+    run_end = digit.copy()
+    run_end[:-1] &= ~(digit[1:] & same_row)
+    tok_row = row_of_byte[run_start]
+    keep = ints[tok_row]
+    tok_row, tok_start, tok_end = tok_row[keep], pos[run_start][keep], pos[run_end][keep] + 1
+    count = np.bincount(tok_row, minlength=len(arrays))
+    rank = np.arange(len(tok_row), dtype=np.int64) - (np.cumsum(count) - count)[tok_row]
+    keep = rank < max_len
+    tok_row, tok_start, tok_end, rank = tok_row[keep], tok_start[keep], tok_end[keep], rank[keep]
+    # The other arrays: strings, floats, negative numbers, booleans, nested values.
+    other = arrays[~ints]
+    lists: list[list[Any]] = []
+    if len(other):
+        spans = [raw.buf[s:e].tobytes() for s, e in zip(raw.starts[other].tolist(), raw.ends[other].tolist())]
+        lists = _json_loads(b"[" + b",".join(spans) + b"]")
+    other_status = status[other]
+    other_keys, other_offsets = _keys_of_lists(lists, salt, max_len, other_status)
+    status[other] = other_status
+    lengths = np.zeros(n, np.int64)
+    lengths[arrays[ints]] = np.minimum(count[ints], max_len)
+    lengths[other] = np.diff(other_offsets)
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    keys = np.empty(int(offsets[-1]), np.int64)
+    keys[offsets[arrays[tok_row]] + rank] = hash_spans(word_view(raw.buf), tok_start, tok_end - tok_start, salt)
+    other_lengths = np.diff(other_offsets)
+    keys[np.repeat(offsets[other] - other_offsets[:-1], other_lengths)
+         + np.arange(int(other_offsets[-1]), dtype=np.int64)] = other_keys
     return keys, offsets, status
 
 
-def _lists(raw: TextColumn | JsonSpans | list[Any], separator: str) -> tuple[list[list[Any]], np.ndarray]:
+def _lists(raw: TextColumn | list[Any], separator: str) -> tuple[list[list[Any]], np.ndarray]:
     """Each row's list (empty where missing or bad) and its status."""
     if isinstance(raw, TextColumn):           # csv: one field cut at `separator`; empty is []
         status = np.zeros(len(raw), np.int8)
         return [raw.value(i).split(separator) if raw.ends[i] > raw.starts[i] else []
                 for i in range(len(raw))], status
-    if isinstance(raw, JsonSpans):
-        # The scan noted each array's span, brackets included: one parse of them all.
-        tag = raw.tag
-        status = np.where((tag == json_scan.ABSENT) | (tag == json_scan.NULL), MISSING,
-                          np.where(tag == json_scan.ARRAY, OK, BAD)).astype(np.int8)
-        arrays = np.flatnonzero(tag == json_scan.ARRAY)
-        lists: list[list[Any]] = [[] for _ in range(len(raw))]
-        if len(arrays):
-            buf = raw.buf
-            spans = [buf[s:e].tobytes() for s, e in zip(raw.starts[arrays].tolist(), raw.ends[arrays].tolist())]
-            for i, v in zip(arrays.tolist(), _json_loads(b"[" + b",".join(spans) + b"]")):
-                lists[i] = v
-        return lists, status
     status = np.zeros(len(raw), np.int8)
     lists = []
     for i, v in enumerate(raw):

@@ -76,6 +76,10 @@ EDGE_LINES = [
     '{"y": 1, "a": "x", "h": [null]}',
     '{"y": 1, "a": "x", "h": {"k": 1}}',
     '{"y": 1, "a": "x", "h": "1,2"}',
+    '{"y": 1, "a": "x", "h": [12, 0, 7]}',                # integer lists: cut into digit runs
+    '{"y": 1, "a": "x", "h": [ 5 ,\t60 ]}',
+    '{"y": 1, "a": "x", "h": [-0, 3]}',                  # -0 is 0 to the parser: list path
+    '{"y": 1, "a": "x", "h": [42]}',
 ]
 
 
@@ -104,9 +108,10 @@ def test_edge_cases_decode_the_same_both_ways():
     assert len(fast[0]) > 5 and len(fast[1]) > 5
     reasons = {r.offset - 5: r.reason for r in fast[1]}
     h = [EDGE_LINES.index(line) for line in EDGE_LINES if '"h"' in line]
-    assert [reasons.get(i) for i in h] == [None, None, None, None] + ["bad_value:h"] * 4
+    assert [reasons.get(i) for i in h] == [None] * 4 + ["bad_value:h"] * 4 + [None] * 4
     rows = {o - 5: r for r, o in enumerate(fast[0].offset)}
-    assert [len(fast[0].jagged[0].slice(rows[i], rows[i] + 1).values) for i in h[:4]] == [2, 0, 0, 2]
+    ok = h[:4] + h[8:]
+    assert [len(fast[0].jagged[0].slice(rows[i], rows[i] + 1).values) for i in ok] == [2, 0, 0, 2, 2, 2, 2, 1]
 
 
 def test_the_synthetic_log_decodes_the_same_both_ways(tmp_path):
