@@ -22,7 +22,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 RECORDS_PER_REQUEST = (1, 256)
 

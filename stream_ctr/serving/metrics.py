@@ -27,7 +27,7 @@ SERIES = {
     f"{NS}_request_seconds": "Wall time of one POST /predict, from its body read to its answer "
                              "(histogram; rejected requests included).",
     f"{NS}_records_scored_total": "Records scored and answered.",
-    f"{NS}_requests_total": "POST /predict requests answered, by code (200, 400, 413, 503).",
+    f"{NS}_requests_total": "POST /predict requests answered, by code (200, 400, 413, 500, 503).",
     f"{NS}_batch_records": "Records per scoring call: concurrent requests coalesced by the "
                            "scoring thread (histogram).",
     f"{NS}_model_info": "Always 1; the label version names the model answering (checkpoint@step).",

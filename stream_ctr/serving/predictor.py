@@ -31,7 +31,7 @@ import dataclasses
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -158,7 +158,6 @@ class _Job:
     probabilities: np.ndarray | None = None
     version: str = ""
     error: BaseException | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class Batcher:
@@ -297,6 +296,8 @@ class Predictor:
             self.metrics.records_scored.inc(len(probs))
         except RequestError as e:
             status, out = e.status, e.body()
+        except Exception as e:          # noqa: BLE001 - a bug or a broken model: say so, keep serving
+            status, out = 500, orjson.dumps({"error": f"scoring failed: {type(e).__name__}: {e}"})
         self.metrics.requests.labels(str(status)).inc()
         self.metrics.request_seconds.observe(time.perf_counter() - t0)
         return status, out

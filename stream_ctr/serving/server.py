@@ -8,9 +8,9 @@
 The stack is the standard library's `ThreadingHTTPServer` (HTTP/1.1 keep-alive,
 TCP_NODELAY, one thread per connection), chosen by measurement against aiohttp
 3.14 (BENCHMARKS.md "Serving", `stream-ctr bench serve --http stdlib,aiohttp`,
-3 runs, 4 clients): at 1 record a request it had the lower p50 (2.7-3.9 ms vs
-3.8-5.4) and p99 (7-14 ms vs 15-32); at 256 a request both gave 38-59K records/s,
-within the noise of the shared machine. The time goes to decoding and scoring,
+6 runs, 4 clients): at 1 record a request it had the lower p50 in 6 runs of 6
+(2.6-3.9 ms vs 2.8-5.4) and the lower p99 in 5; at 256 a request the two
+overlapped (38-70K vs 44-57K records/s). The time goes to decoding and scoring,
 not to I/O an event loop could overlap, so the async stack buys nothing here and
 would be a dependency more. `--http aiohttp` stays for the comparison when
 aiohttp is installed (it is not a dependency).

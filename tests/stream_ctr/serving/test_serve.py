@@ -289,3 +289,20 @@ def test_a_json_schema_bundle_takes_objects_or_lines(tmp_path):
         decode_request(parse_body(json.dumps(objects[:3]).encode(), "application/json", schema), schema)
     assert e.value.records[0]["index"] == 2 and "ad_id" in e.value.records[0]["reason"]
     assert "record 2" in str(e.value)
+
+
+def test_a_scoring_failure_is_a_500_and_the_server_goes_on(run):
+    tmp, _ = run
+    scorer = Scorer(read_bundle(tmp / "bundle"))
+    predictor = Predictor(scorer)
+    try:
+        real = scorer.score
+        scorer.score = lambda batch: (_ for _ in ()).throw(RuntimeError("boom"))
+        status, body = predictor.predict(sample_lines()[0])
+        assert status == 500 and "boom" in json.loads(body)["error"]
+        scorer.score = real
+        assert predictor.predict(sample_lines()[0])[0] == 200
+        assert predictor.metrics.registry.get_sample_value(
+            "stream_ctr_serving_requests_total", {"code": "500"}) == 1
+    finally:
+        predictor.close()
