@@ -306,3 +306,21 @@ def test_a_scoring_failure_is_a_500_and_the_server_goes_on(run):
             "stream_ctr_serving_requests_total", {"code": "500"}) == 1
     finally:
         predictor.close()
+
+
+def test_the_aiohttp_front_end_answers_the_same(run):
+    """`--http aiohttp` (the measured alternative; aiohttp is not a dependency)."""
+    pytest.importorskip("aiohttp")
+    tmp, _ = run
+    scorer = Scorer(read_bundle(tmp / "bundle"))
+    server = Server(scorer, port=0, http="aiohttp").start()
+    try:
+        body = b"\n".join(sample_lines()[:20])
+        status, out = request(server.port, "POST", "/predict", body)
+        expect = scorer.score(decode_lines(body, CRITEO, "x", 0)[0])
+        assert status == 200 and np.array_equal(np.array(json.loads(out)["probabilities"], np.float32), expect)
+        assert request(server.port, "POST", "/predict", b"1\t2")[0] == 400
+        assert request(server.port, "GET", "/healthz")[0] == 200
+        assert b"stream_ctr_serving_records_scored_total" in request(server.port, "GET", "/metrics")[1]
+    finally:
+        server.close()
