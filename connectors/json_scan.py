@@ -405,3 +405,55 @@ def _scalar(buf, i, stop, line, path, tag, start, end, value, exact, is_int):
         exact[line, path] = ex
         is_int[line, path] = integer
     return e
+
+
+@njit(cache=True, nogil=True)
+def int_list_tokens(buf, starts, ends, max_len):
+    """The arrays ``buf[starts[i]:ends[i]]`` (brackets included, valid JSON from `scan_lines`):
+    whether each holds only non-negative integers (`ints`), and for those its first
+    `max_len` elements' digit spans: (ints bool [n], count int64 [n], token row, rank,
+    start, end int64 [k]).  An integer's text is its token, so it hashes as the parser's
+    value would; any other element (a '-', '.', 'e', quote, letter or bracket) sends the
+    array to the per-value path."""
+    n = len(starts)
+    total = 0
+    for i in range(n):
+        total += ends[i] - starts[i]
+    cap = total // 2 + n + 1
+    ints = np.ones(n, np.bool_)
+    count = np.zeros(n, np.int64)
+    tok_row = np.empty(cap, np.int64)
+    tok_rank = np.empty(cap, np.int64)
+    tok_start = np.empty(cap, np.int64)
+    tok_end = np.empty(cap, np.int64)
+    k = 0
+    for i in range(n):
+        k0 = k
+        elements = 0
+        run = -1
+        j = starts[i] + 1
+        stop = ends[i] - 1
+        while j <= stop:
+            c = buf[j] if j < stop else 44          # the closing bracket ends a run like a comma
+            if 48 <= c <= 57:
+                if run < 0:
+                    run = j
+            elif c == 44 or c == 32 or c == 9 or c == 10 or c == 13:
+                if run >= 0:
+                    if elements < max_len:
+                        tok_row[k] = i
+                        tok_rank[k] = elements
+                        tok_start[k] = run
+                        tok_end[k] = j
+                        k += 1
+                    elements += 1
+                    run = -1
+            else:
+                ints[i] = False
+                break
+            j += 1
+        if ints[i]:
+            count[i] = min(elements, max_len)
+        else:
+            k = k0
+    return ints, count, tok_row[:k], tok_rank[:k], tok_start[:k], tok_end[:k]

@@ -385,39 +385,18 @@ def _keys_of_lists(lists: list[list[Any]], salt: np.ndarray, max_len: int, statu
     return keys, offsets
 
 
-_LIST_OF_INTS_BYTES = np.zeros(256, bool)
-_LIST_OF_INTS_BYTES[[ord(c) for c in "0123456789, \t\r\n"]] = True
-
-
 def _multi_hot_of_spans(raw: JsonSpans, salt: np.ndarray, max_len: int
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`multi_hot_keys` of scanned JSON: arrays of non-negative integers (the common id
-    list) are cut into their digit runs and hashed in place, vectorized; the other arrays
+    list) are cut into their digit runs by a compiled pass and hashed in place; the other arrays
     are parsed (one orjson call for them all) and take the list path.  Same keys either way:
     an integer's token is its decimal text, which is what it is written as."""
     tag, n = raw.tag, len(raw)
     status = np.where((tag == json_scan.ABSENT) | (tag == json_scan.NULL), MISSING,
                       np.where(tag == json_scan.ARRAY, OK, BAD)).astype(np.int8)
     arrays = np.flatnonzero(tag == json_scan.ARRAY)
-    first = raw.starts[arrays] + 1                        # inside the brackets
-    n_bytes = raw.ends[arrays] - 1 - first
-    row_of_byte = np.repeat(np.arange(len(arrays)), n_bytes)
-    pos = np.arange(int(n_bytes.sum()), dtype=np.int64) + np.repeat(first - (np.cumsum(n_bytes) - n_bytes), n_bytes)
-    c = raw.buf[pos]
-    ints = np.bincount(row_of_byte[~_LIST_OF_INTS_BYTES[c]], minlength=len(arrays)) == 0
-    digit = (c >= 48) & (c <= 57)
-    same_row = row_of_byte[1:] == row_of_byte[:-1]
-    run_start = digit.copy()
-    run_start[1:] &= ~(digit[:-1] & same_row)
-    run_end = digit.copy()
-    run_end[:-1] &= ~(digit[1:] & same_row)
-    tok_row = row_of_byte[run_start]
-    keep = ints[tok_row]
-    tok_row, tok_start, tok_end = tok_row[keep], pos[run_start][keep], pos[run_end][keep] + 1
-    count = np.bincount(tok_row, minlength=len(arrays))
-    rank = np.arange(len(tok_row), dtype=np.int64) - (np.cumsum(count) - count)[tok_row]
-    keep = rank < max_len
-    tok_row, tok_start, tok_end, rank = tok_row[keep], tok_start[keep], tok_end[keep], rank[keep]
+    ints, count, tok_row, rank, tok_start, tok_end = json_scan.int_list_tokens(
+        raw.buf, raw.starts[arrays], raw.ends[arrays], max_len)
     # The other arrays: strings, floats, negative numbers, booleans, nested values.
     other = arrays[~ints]
     lists: list[list[Any]] = []
@@ -428,7 +407,7 @@ def _multi_hot_of_spans(raw: JsonSpans, salt: np.ndarray, max_len: int
     other_keys, other_offsets = _keys_of_lists(lists, salt, max_len, other_status)
     status[other] = other_status
     lengths = np.zeros(n, np.int64)
-    lengths[arrays[ints]] = np.minimum(count[ints], max_len)
+    lengths[arrays[ints]] = count[ints]
     lengths[other] = np.diff(other_offsets)
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
