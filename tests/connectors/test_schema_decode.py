@@ -176,3 +176,59 @@ def test_csv_decodes_the_same_tokens_as_json():
                       "kind='categorical'\n")
     bj, _ = decode_records(_lines({"y": 1, "site": "news"}), js, "p", 0)
     assert bj.keys[0, 0] == b.keys[0, 0]
+
+
+MULTI = """
+[schema]
+encoding = "{enc}"
+{csv}
+[schema.fields.y]
+kind = "label"
+[schema.fields.a]
+kind = "categorical"
+[schema.fields.tags]
+kind = "multi_hot"
+max_len = 3
+pooling = "sum"
+{optional}
+"""
+
+
+def _multi_schema(enc: str):
+    csv = 'delimiter = ","\ncolumns = ["y", "a", "tags"]' if enc == "csv" else ""
+    return parse_schema(MULTI.format(enc=enc, csv=csv, optional="optional = true" if enc == "json" else ""))
+
+
+def _lists(batch):
+    j = batch.jagged[0]
+    return [j.values[j.offsets[i]:j.offsets[i + 1]].tolist() for i in range(len(batch))]
+
+
+def test_multi_hot_keys_hash_elements_like_categorical_values_in_json_and_csv():
+    js = _multi_schema("json")
+    lines = ['{"y": 1, "a": "x", "tags": ["p", 7, "q", "r", "s"]}', '{"y": 0, "a": "x", "tags": []}',
+             '{"y": 0, "a": "x"}', '{"y": 1, "a": "x", "tags": [true, 2.5]}']
+    batch, rejected = decode_records(("\n".join(lines) + "\n").encode(), js, "p", 0)
+    assert not rejected and batch.pooling == ("sum",) and batch.keys.shape == (4, 1)
+    # field id of a multi-hot field: n_keys + its index (here 1); kept: the first max_len = 3
+    assert _lists(batch) == [hash_strings([b"p", b"7", b"q"], 1).tolist(), [], [],
+                             hash_strings([b"true", b"2.5"], 1).tolist()]
+    cs = _multi_schema("csv")
+    batch_csv, rejected = decode_records(b"1,x,p|7|q|r|s\n0,x,\n", cs, "p", 0)
+    assert not rejected and _lists(batch_csv) == _lists(batch)[:2]
+    assert np.array_equal(batch_csv.keys, batch.keys[:2])
+
+
+@pytest.mark.parametrize("tags, reason", [('"p"', "bad_value:tags"), ('[["p"]]', "bad_value:tags"),
+                                          ('[null]', "bad_value:tags"), ('{"k": 1}', "bad_value:tags")])
+def test_bad_multi_hot_values_are_rejected_naming_the_field(tags, reason):
+    line = f'{{"y": 1, "a": "x", "tags": {tags}}}\n'.encode()
+    batch, rejected = decode_records(line, _multi_schema("json"), "p", 0)
+    assert len(batch) == 0 and [r.reason for r in rejected] == [reason]
+    assert "tags" in rejected[0].detail
+
+
+def test_a_missing_list_needs_optional():
+    text = MULTI.format(enc="json", csv="", optional="")
+    batch, rejected = decode_records(b'{"y": 1, "a": "x"}\n', parse_schema(text), "p", 0)
+    assert len(batch) == 0 and rejected[0].reason == "missing:tags"
