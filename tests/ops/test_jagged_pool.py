@@ -72,8 +72,9 @@ def test_triton_matches_reference_on_random_bags(u, lengths, d, mean, seed):
     case = make_case(u, lengths, d, seed, device=device)
     ref_out, ref_grad = forward_backward(jagged_pool_reference, *case, mean)
     out, grad = forward_backward(jagged_pool_triton, *case, mean)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
+    # float32 sums of up to ~300 terms in another order (a hot row's gradient): a few ulps
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-4)
 
 
 def test_dispatcher_runs_the_reference_on_cpu():
