@@ -82,7 +82,7 @@ class _JaggedPoolTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, unique_rows: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor,
                 mean: bool) -> torch.Tensor:
-        scale = _bag_scale(offsets, mean, torch.float32)
+        scale = _bag_scale(offsets, mean, unique_rows.dtype)
         ctx.save_for_backward(index, offsets, scale)
         ctx.num_unique = unique_rows.shape[0]
         return _pool_forward(unique_rows.contiguous(), index.contiguous(), offsets.contiguous(), scale)
@@ -159,7 +159,7 @@ def _spread_kernel(grad_ptr, offsets_ptr, scale_ptr, out_ptr, D,
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     g = tl.load(grad_ptr + bag * D + cols, mask=col_ok, other=0.0)
-    g = (g.to(tl.float32) * tl.load(scale_ptr + bag)).to(out_ptr.dtype.element_ty)
+    g = g * tl.load(scale_ptr + bag).to(g.dtype)
     for j0 in range(start, end, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         j_ok = j < end
