@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gzip as gzip_module
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -70,25 +71,38 @@ def write_synthetic_criteo(path: str | Path, n_records: int, seed: int = 0,
     vocab = np.minimum(CRITEO_CARDINALITY, vocab_per_field)
     dense_w = np.random.default_rng([seed, 1]).normal(0.0, DENSE_WEIGHT_STD, 13)
     bias = _calibrate_bias(np.random.default_rng([seed, 2]), vocab, zipf_exponent, dense_w, seed)
+
+    def chunk(index: int, first: int, n: int) -> tuple[bytes, np.ndarray]:
+        # Whole chunks from their own stream: a file is a prefix of any longer one.
+        rng = np.random.default_rng([seed, 3, index])
+        ranks, ints = _sample_features(rng, CHUNK_ROWS, vocab, zipf_exponent)
+        p = 1.0 / (1.0 + np.exp(-(bias + _teacher_logit(ranks, ints, dense_w, seed))))
+        labels = (rng.random(CHUNK_ROWS) < p).astype(np.int64)
+        return render_criteo_lines(labels[:n], ints[:n], _tokens(ranks[:n], seed)), p[:n]
+
+    return write_chunked(path, n_records, CHUNK_ROWS, chunk, gzip, write_probs)
+
+
+def write_chunked(path: str | Path, n_records: int, chunk_rows: int,
+                  chunk: Callable[[int, int, int], tuple[bytes, np.ndarray]],
+                  gzip: bool, write_probs: bool) -> int:
+    """Write a synthetic file chunk by chunk: `chunk(index, first_row, n)` returns the
+    chunk's bytes and its rows' true click probabilities, which go to `probs_path(path)`
+    (a memory-mapped .npy: no n_records-sized array in RAM) when `write_probs`.
+    gzip: level 1, mtime 0, so a seed always gives the same bytes. Returns n_records."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Written chunk by chunk into a memory-mapped .npy: no n_records-sized array in RAM.
     probs = (np.lib.format.open_memmap(probs_path(path), mode="w+", dtype=np.float32,
                                        shape=(n_records,)) if write_probs else None)
     with open(path, "wb") as raw:
         out = gzip_module.GzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0) if gzip else raw
         try:
-            for chunk, first in enumerate(range(0, n_records, CHUNK_ROWS)):
-                # Whole chunks from their own stream: a file is a prefix of any longer one.
-                rng = np.random.default_rng([seed, 3, chunk])
-                ranks, ints = _sample_features(rng, CHUNK_ROWS, vocab, zipf_exponent)
-                logits = bias + _teacher_logit(ranks, ints, dense_w, seed)
-                p = 1.0 / (1.0 + np.exp(-logits))
-                labels = (rng.random(CHUNK_ROWS) < p).astype(np.int64)
-                n = min(CHUNK_ROWS, n_records - first)
-                out.write(render_criteo_lines(labels[:n], ints[:n], _tokens(ranks[:n], seed)))
+            for index, first in enumerate(range(0, n_records, chunk_rows)):
+                n = min(chunk_rows, n_records - first)
+                data, p = chunk(index, first, n)
+                out.write(data)
                 if probs is not None:
-                    probs[first:first + n] = p[:n]
+                    probs[first:first + n] = p
         finally:
             if gzip:
                 out.close()

@@ -23,13 +23,12 @@ probabilities is the split's Bayes AUC (`synth.bayes_auc`).
 """
 from __future__ import annotations
 
-import gzip as gzip_module
 from pathlib import Path
 
 import numpy as np
 
 from stream_ctr.connectors.hashing import hash_ints
-from stream_ctr.connectors.synth import probs_path, zipf_ranks
+from stream_ctr.connectors.synth import write_chunked, zipf_ranks
 
 CHUNK_ROWS = 16_384
 BASE_CTR = 0.15
@@ -49,30 +48,15 @@ def write_synthetic_json(path: str | Path, n_records: int, seed: int = 0, gzip: 
     Deterministic for a seed; with `write_probs`, `probs_path(path)` receives
     each row's true click probability.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     bias = _calibrate_bias(seed)
-    probs = (np.lib.format.open_memmap(probs_path(path), mode="w+", dtype=np.float32,
-                                       shape=(n_records,)) if write_probs else None)
-    with open(path, "wb") as raw:
-        out = gzip_module.GzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0) if gzip else raw
-        try:
-            for chunk, first in enumerate(range(0, n_records, CHUNK_ROWS)):
-                n = min(CHUNK_ROWS, n_records - first)
-                rng = np.random.default_rng([seed, 7, chunk])
-                cols = _sample(rng, n, first)
-                p = 1.0 / (1.0 + np.exp(-(bias + _teacher_logit(cols, seed))))
-                clicked = rng.random(n) < p
-                out.write(_render(cols, clicked))
-                if probs is not None:
-                    probs[first:first + n] = p
-        finally:
-            if gzip:
-                out.close()
-    if probs is not None:
-        probs.flush()
-        del probs
-    return n_records
+
+    def chunk(index: int, first: int, n: int) -> tuple[bytes, np.ndarray]:
+        rng = np.random.default_rng([seed, 7, index])
+        cols = _sample(rng, n, first)
+        p = 1.0 / (1.0 + np.exp(-(bias + _teacher_logit(cols, seed))))
+        return _render(cols, rng.random(n) < p), p
+
+    return write_chunked(path, n_records, CHUNK_ROWS, chunk, gzip, write_probs)
 
 
 def _sample(rng: np.random.Generator, n: int, first: int) -> dict[str, np.ndarray | list]:

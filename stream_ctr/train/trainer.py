@@ -122,14 +122,13 @@ class Trainer:
         t = self.average_updates
         weight = max(1.0 - math.exp(-self.optim.batch_size / self.cfg.train.average_dense_samples),
                      2.0 / (t + 1))
-        torch._foreach_lerp_(list(self.average_model.parameters()), list(self.model.parameters()),
-                             min(weight, 1.0))
+        torch._foreach_lerp_(list(self.average_model.parameters()), list(self.model.parameters()), weight)
 
     @property
     def eval_model(self) -> torch.nn.Module:
         """The dense model that scores held-out rows and is exported: the average once
         a step has fed it, else the live weights."""
-        return self.average_model if self.average_updates and self.average_model is not None else self.model
+        return self.average_model if self.average_updates else self.model
 
     def idle_dense_step(self) -> None:
         """A hierarchical replica without a batch this step still takes its node's dense
@@ -274,7 +273,7 @@ class Trainer:
     def state_tensors(self) -> dict:
         out = {"model": self.model.state_dict(), "dense_opt": self.dense_opt.state_dict(),
                "store": self.store.state_dict(), "step": self.step}
-        if self.average_updates and self.average_model is not None:
+        if self.average_updates:
             out["model_average"] = self.average_model.state_dict()
             out["average_updates"] = self.average_updates
         return out
