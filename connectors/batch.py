@@ -17,6 +17,8 @@ Layout (B rows, F categorical fields, D dense features)::
     offset      int64   [B]      the row's offset inside its partition: a Kafka
                                  offset, or a file's 0-based data-line number
     jagged      tuple[Jagged]    one per multi-hot (list) field, M of them (M may be 0)
+    weight      float32 [B] | None   the record's loss weight (a schema `weight` field,
+                                 e.g. 1/rate after negative down-sampling); None = all 1
 
 A multi-hot field's keys are jagged, as TorchRec's KeyedJaggedTensor holds
 them: one flat `values` array and `offsets` that cut it into rows.  Row i's
@@ -114,12 +116,15 @@ class Batch:
     offset: np.ndarray
     partitions: tuple[str, ...] = field(default=())
     jagged: tuple[Jagged, ...] = field(default=())
+    weight: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.labels)
         for name in ("dense", "keys", "event_time_ms", "partition", "offset"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Batch.{name} has {len(getattr(self, name))} rows, labels has {n}")
+        if self.weight is not None and len(self.weight) != n:
+            raise ValueError(f"Batch.weight has {len(self.weight)} rows, labels has {n}")
         self.jagged = tuple(self.jagged)
         for j, jag in enumerate(self.jagged):
             if len(jag) != n:
@@ -148,13 +153,15 @@ class Batch:
         return Batch(self.labels[start:stop], self.dense[start:stop], self.keys[start:stop],
                      self.event_time_ms[start:stop], self.partition[start:stop],
                      self.offset[start:stop], self.partitions,
-                     tuple(j.slice(start, stop) for j in self.jagged))
+                     tuple(j.slice(start, stop) for j in self.jagged),
+                     None if self.weight is None else self.weight[start:stop])
 
     def take(self, rows: np.ndarray) -> "Batch":
         """The rows `rows` (indices or a boolean mask), in that order; same partition table."""
         return Batch(self.labels[rows], self.dense[rows], self.keys[rows], self.event_time_ms[rows],
                      self.partition[rows], self.offset[rows], self.partitions,
-                     tuple(j.take(rows) for j in self.jagged))
+                     tuple(j.take(rows) for j in self.jagged),
+                     None if self.weight is None else self.weight[rows])
 
     def positions_after(self) -> Positions:
         """Per partition, the offset just after the last row of this batch."""
@@ -194,6 +201,11 @@ class Batch:
         for b in batches:
             lut = np.array([names.index(p) for p in b.partitions] or [0], dtype=np.int32)
             remapped.append(lut[b.partition] if len(b) else b.partition)
+        # A batch without weights weighs 1 per row, so mixing the two stays exact.
+        weight = None
+        if any(b.weight is not None for b in batches):
+            weight = np.concatenate([np.ones(len(b), np.float32) if b.weight is None else b.weight
+                                     for b in batches]).astype(np.float32, copy=False)
         return Batch(np.concatenate([b.labels for b in batches]),
                      np.concatenate([b.dense for b in batches]),
                      np.concatenate([b.keys for b in batches]),
@@ -202,7 +214,8 @@ class Batch:
                      np.concatenate([b.offset for b in batches]),
                      tuple(names),
                      tuple(Jagged.concat([b.jagged[j] for b in batches])
-                           for j in range(batches[0].n_multi)))
+                           for j in range(batches[0].n_multi)),
+                     weight)
 
 
 @dataclass(frozen=True)

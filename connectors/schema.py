@@ -36,7 +36,8 @@ own passed with ``--schema``::
     kind = "time_part"         # a key of the event time: part = hour_of_day | day_of_week
 
     [schema.fields.weight]
-    kind = "weight"            # a number >= 0 per record (decoded; not yet used by the loss)
+    kind = "weight"            # a number >= 0 per record: its share of the training loss (e.g. 1/rate
+                               # after negative down-sampling); metrics stay unweighted
 
     [schema.fields.history]
     kind = "multi_hot"         # a list: a JSON array of scalars (csv: one field cut at `separator`)

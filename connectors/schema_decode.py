@@ -105,7 +105,8 @@ def decode_records(data: bytes, schema: Schema, partition: str, first_offset: in
     return Batch(labels=column("labels"), dense=column("dense"), keys=column("keys"),
                  event_time_ms=column("event_time_ms"), partition=np.zeros(len(rows), np.int32),
                  offset=rows[order] + first_offset, partitions=(partition,),
-                 jagged=tuple(jagged(j) for j in range(len(schema.multi_fields)))), rejected
+                 jagged=tuple(jagged(j) for j in range(len(schema.multi_fields))),
+                 weight=column("weight") if schema.weight is not None else None), rejected
 
 
 # ------------------------------------------------------------------ JSON lines
@@ -261,6 +262,7 @@ class _Converted:
         self.keys = np.zeros((m, schema.n_keys), np.int64)
         self.event_time_ms = np.full(m, -1, np.int64)
         self.jagged = [Jagged.empty(f.pooling) for f in schema.multi_fields]
+        self.weight = np.ones(m, np.float32) if schema.weight is not None else None
         self.failed_field = np.full(m, -1, np.int64)    # index into `checks` of the first failure
         self.checks: list[tuple[Field, np.ndarray, Any]] = []
 
@@ -298,7 +300,8 @@ def _convert(schema: Schema, raw_of: Callable[[str], Any], m: int) -> _Converted
             out.labels[:] = values
         elif isinstance(f, WeightField):
             values, status = _with_default(f, raw, col.numbers)
-            status[(status == col.OK) & (values < 0)] = col.BAD
+            status[(status == col.OK) & ~(values >= 0)] = col.BAD     # negative or NaN
+            out.weight[:] = values
         elif isinstance(f, EventTimeField):
             layout = time_format_layout(f.format) if f.format else ()
             convert = (lambda r: col.formatted_time_ms(r, layout)) if f.format else (lambda r: col.epoch_ms(r, f.unit))

@@ -147,21 +147,25 @@ class Trainer:
         warm = self.optim.warmup_samples
         return self.optim.lr_dense * (min(1.0, step * self.optim.batch_size / warm) if warm > 0 else 1.0)
 
-    def _init_bias(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+    def _init_bias(self, logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None) -> None:
         """Output bias <- the shift that makes the first batch's mean prediction its
-        click rate (Laplace-smoothed), so the model starts at the base rate
-        instead of 0.5. `logits` are the first batch's scores with the current bias;
-        the shift is solved (Newton on a monotone scalar function), not taken as
-        logit(CTR), because the other terms' initial logits are not centred at 0."""
+        click rate (Laplace-smoothed; both weighted by the record weights, if any), so
+        the model starts at the base rate instead of 0.5. `logits` are the first
+        batch's scores with the current bias; the shift is solved (Newton on a
+        monotone scalar function), not taken as logit(CTR), because the other terms'
+        initial logits are not centred at 0."""
+        w = torch.ones_like(labels, dtype=torch.float32) if weight is None else weight.float()
+        total = w.sum().clamp_min(1e-12)
+        mean = (lambda x: x.mean()) if weight is None else (lambda x: (w * x).sum() / total)
         # Laplace-smoothed: a tiny first batch (a stream flushed on its latency budget)
         # with no click must not start the model at p = 1e-4.
-        ctr = (labels.float().sum() + 1) / (labels.numel() + 2)
+        ctr = ((w * labels.float()).sum() + 1) / (total + 2)
         z = logits
-        shift = torch.log(ctr / (1 - ctr)) - z.mean()
+        shift = torch.log(ctr / (1 - ctr)) - mean(z)
         for _ in range(50):
             p = torch.sigmoid(z + shift)
-            slope = (p * (1 - p)).mean().clamp_min(1e-12)
-            step = ((p.mean() - ctr) / slope).clamp(-4.0, 4.0)
+            slope = mean(p * (1 - p)).clamp_min(1e-12)
+            step = ((mean(p) - ctr) / slope).clamp(-4.0, 4.0)
             shift -= step
             if step.abs() < 1e-6:
                 break
@@ -172,6 +176,17 @@ class Trainer:
         dense = torch.from_numpy(batch.dense).to(self.device, non_blocking=True)
         labels = torch.from_numpy(batch.labels).to(self.device, non_blocking=True)
         return dense, labels
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The batch's log loss: the mean, or with record weights the weighted mean
+        sum(w * l) / sum(w).  Dividing by the weights' sum (not by B, as Keras does)
+        keeps the step size independent of the weights' scale, so the tuned learning
+        rates hold whether a negative weighs 1 or 1/rate."""
+        if batch.weight is None:
+            return F.binary_cross_entropy_with_logits(logits, labels)
+        w = torch.from_numpy(batch.weight).to(self.device, non_blocking=True)
+        per_row = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+        return (per_row * w).sum() / w.sum().clamp_min(torch.finfo(w.dtype).tiny)
 
     def _forward(self, rows: torch.Tensor, inverse: torch.Tensor, batch: Batch,
                  dense: torch.Tensor, model: torch.nn.Module | None = None) -> torch.Tensor:
@@ -222,12 +237,13 @@ class Trainer:
         rows = self.store.weight[slots].requires_grad_()
         if self.step == 0 and self.optim.init_bias_from_data and b:
             with torch.no_grad():          # the forward and the in-place bias update
-                self._init_bias(self._forward(rows, inverse, batch, dense), labels)
+                weight = None if batch.weight is None else torch.from_numpy(batch.weight).to(self.device)
+                self._init_bias(self._forward(rows, inverse, batch, dense), labels, weight)
         t1 = self._clock()
 
         # Forward on the pre-update weights (these are the prequential scores), backward.
         logits = self._forward(rows, inverse, batch, dense)
-        loss = F.binary_cross_entropy_with_logits(logits, labels)
+        loss = self._loss(logits, labels, batch)
         o = self.optim
         reg = sum((p.square().sum() for p in self.l2_params.get("linear", [])), torch.zeros((), device=self.device)) * o.l2 \
             + sum((p.square().sum() for p in self.l2_params.get("cross", [])), torch.zeros((), device=self.device)) * o.cross_l2
