@@ -9,6 +9,7 @@ with ``start_offset`` set to it yields exactly the records that follow.
 """
 from __future__ import annotations
 
+import csv
 import dataclasses
 import gzip
 import zlib
@@ -260,7 +261,9 @@ def _schema_header(lines: _LineReader, path: Path, schema: Schema) -> Schema:
     data, k = lines.take(1)
     if k == 0:
         return schema
-    header = data.rstrip(b"\r\n").decode("utf-8", errors="replace").split(schema.delimiter)
+    text = data.rstrip(b"\r\n").decode("utf-8", errors="replace")
+    header = (next(csv.reader([text], delimiter=schema.delimiter, quotechar=schema.quote))
+              if schema.quote else text.split(schema.delimiter))
     if schema.columns and tuple(header) != schema.columns:
         raise SourceError(f"{path}: the header ({', '.join(header[:6])}...) is not the schema's columns "
                           f"({', '.join(schema.columns[:6])}...); fix the schema's columns or the file")

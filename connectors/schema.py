@@ -7,6 +7,8 @@ own passed with ``--schema``::
     encoding = "json"          # json (one object per line) | csv (delimited text)
     # csv only:
     delimiter = ","            # one character ("\\t" for TSV)
+    quote = '"'                # RFC 4180 quoting: a quoted field holds the delimiter, and a doubled
+                               # quote stands for one; "" turns quoting off (quotes are plain data)
     header = true              # the first line names the columns ...
     columns = ["a", "b", ...]  # ... or these names, in order (both: they must agree)
 
@@ -195,6 +197,7 @@ class Schema:
     fields: tuple[Field, ...]
     crosses: tuple[Cross, ...] = ()
     delimiter: str = ","
+    quote: str = '"'                        # csv: the quote character, "" for none
     header: bool = False
     columns: tuple[str, ...] = ()
     name: str = ""                          # "criteo" / "avazu" for the built-ins, else the encoding
@@ -272,7 +275,7 @@ def parse_schema(raw: dict[str, Any] | str, origin: str = "schema") -> Schema:
     table = raw.get("schema", raw) if isinstance(raw, dict) else raw
     if not isinstance(table, dict):
         raise SchemaError(f"{origin}: expected a [schema] table")
-    known = {"encoding", "delimiter", "header", "columns", "fields", "crosses", "name"}
+    known = {"encoding", "delimiter", "quote", "header", "columns", "fields", "crosses", "name"}
     _no_unknown(table, known, f"{origin}: [schema]")
     encoding = table.get("encoding")
     if encoding not in ENCODINGS:
@@ -282,6 +285,11 @@ def parse_schema(raw: dict[str, Any] | str, origin: str = "schema") -> Schema:
     if not isinstance(delimiter, str) or len(delimiter) != 1 or ord(delimiter) > 127 or delimiter in "\n\r\"":
         raise SchemaError(f"{origin}: [schema] delimiter must be one ASCII character (not a quote or "
                           f"line break), got {delimiter!r}")
+    quote = table.get("quote", '"')
+    if not isinstance(quote, str) or len(quote) > 1 or (quote and (ord(quote) > 127 or quote in "\n\r"
+                                                                   or quote == delimiter)):
+        raise SchemaError(f"{origin}: [schema] quote must be one ASCII character other than the "
+                          f"delimiter and line breaks, or \"\" for no quoting; got {quote!r}")
     header = table.get("header", False)
     columns = table.get("columns", [])
     if not isinstance(header, bool) or not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
@@ -300,7 +308,7 @@ def parse_schema(raw: dict[str, Any] | str, origin: str = "schema") -> Schema:
     crosses = tuple(_parse_cross(name, spec, f"{origin}: [schema.crosses.{name}]")
                     for name, spec in (table.get("crosses") or {}).items())
     schema = Schema(encoding=encoding, fields=parsed, crosses=crosses, delimiter=delimiter,
-                    header=header, columns=tuple(columns), name=str(table.get("name", encoding)))
+                    quote=quote, header=header, columns=tuple(columns), name=str(table.get("name", encoding)))
     _check_whole(schema, origin)
     return schema
 
@@ -481,6 +489,8 @@ def schema_to_toml(schema: Schema, comments: dict[str, str] | None = None) -> st
         out.append(f"name = {_toml_value(schema.name)}")
     if schema.encoding == "csv":
         out.append(f"delimiter = {_toml_value(schema.delimiter)}")
+        if schema.quote != '"':
+            out.append(f"quote = {_toml_value(schema.quote)}")
         out.append(f"header = {_toml_value(schema.header)}")
         if schema.columns:
             out.append(f"columns = {_toml_value(list(schema.columns))}")

@@ -12,15 +12,20 @@ offsets ``first_offset + line index``), for any schema.
   Invalid JSON is rejected as ``bad_json``, a line that is not an object as
   ``not_an_object``.  STREAM_CTR_NO_JIT=1 turns the scan off.
 - csv: separators are found with one vectorized pass, as in `decode`; a line
-  with the wrong number of fields is rejected as ``field_count``.  Fields are
-  split at every delimiter: quoting (a delimiter inside quotes) is not
-  supported.
+  with the wrong number of fields is rejected as ``field_count``.  Lines that
+  hold the quote character (RFC 4180: a quoted field may hold the delimiter, a
+  doubled quote stands for one) are parsed by
+  the stdlib's csv reader instead, one by one, and their unquoted fields feed
+  the same converters, so a quoted value decodes exactly as the same value
+  unquoted.  A record is one line: a line break inside quotes, or a stray
+  quote, is rejected as ``bad_quote``.
 
 A field's failure is rejected as ``missing:FIELD`` or ``bad_value:FIELD``
 (the first failing field in declared order) with the value in `detail`.
 """
 from __future__ import annotations
 
+import csv
 import importlib
 import os
 from contextlib import contextmanager
@@ -227,7 +232,11 @@ def _csv_block(data: bytes, schema: Schema):
     line_start = np.concatenate([[0], lfs[:-1] + 1]).astype(np.int64)
     n_cols = len(schema.columns)
     fields_per_line = np.diff(line_last, prepend=-1)
-    good = fields_per_line == n_cols
+    quoted = np.zeros(len(lfs), bool)
+    if schema.quote:
+        quote_at = np.flatnonzero(body == ord(schema.quote))
+        quoted[np.searchsorted(lfs, quote_at)] = True      # the lines holding a quote
+    good = (fields_per_line == n_cols) & ~quoted
     rows = np.flatnonzero(good).astype(np.int64)
     ends = sep[line_last[good][:, None] + np.arange(1 - n_cols, 1)]      # [m, n_cols]
     starts = np.empty_like(ends)
@@ -237,7 +246,7 @@ def _csv_block(data: bytes, schema: Schema):
     last -= (last > starts[:, -1]) & (buf[last - 1] == _CR)
     index = {name: j for j, name in enumerate(schema.columns)}
     bad = [(i, "empty" if lfs[i] == line_start[i] else "field_count")
-           for i in np.flatnonzero(~good).tolist()]
+           for i in np.flatnonzero(~good & ~quoted).tolist()]
 
     def raw_of(path: str) -> col.TextColumn:
         j = index[path]
@@ -248,7 +257,49 @@ def _csv_block(data: bytes, schema: Schema):
         e -= e > s and buf[e - 1] == _CR
         return buf[s:e].tobytes()
 
-    return [(rows, raw_of)], line_bytes, bad
+    groups = [(rows, raw_of)]
+    if quoted.any():
+        quoted_rows, quoted_raw_of, quoted_bad = _quoted_csv_lines(np.flatnonzero(quoted), line_bytes,
+                                                                   schema, index)
+        groups.append((quoted_rows, quoted_raw_of))
+        bad = sorted(bad + quoted_bad)
+    return groups, line_bytes, bad
+
+
+def _quoted_csv_lines(lines: np.ndarray, line_bytes: Callable[[int], bytes], schema: Schema,
+                      index: dict[str, int]):
+    """(rows, raw_of, rejected) of the csv lines that hold a quote: each parsed by the
+    stdlib's reader (strict RFC 4180), its unquoted fields laid end to end in a new
+    buffer so that they are spans like any other line's.  Text round-trips through
+    surrogateescape, so a field's bytes are exactly the bytes between its quotes."""
+    n_cols = len(schema.columns)
+    rows: list[int] = []
+    cells: list[bytes] = []
+    bad: list[tuple[int, str]] = []
+    for i in lines.tolist():
+        text = line_bytes(i).decode("utf-8", errors="surrogateescape")
+        try:
+            parsed = list(csv.reader([text], delimiter=schema.delimiter, quotechar=schema.quote,
+                                     strict=True))
+        except csv.Error:
+            bad.append((i, "bad_quote"))
+            continue
+        fields = parsed[0] if parsed else []
+        if len(fields) != n_cols:
+            bad.append((i, "field_count"))
+            continue
+        rows.append(i)
+        cells.extend(f.encode("utf-8", errors="surrogateescape") for f in fields)
+    lengths = np.fromiter(map(len, cells), np.int64, len(cells))
+    ends = np.cumsum(lengths).reshape(len(rows), n_cols)
+    starts = ends - lengths.reshape(len(rows), n_cols)
+    buf = np.frombuffer(b"".join(cells) + bytes(8), np.uint8)      # 8 bytes of slack, as TextColumn wants
+
+    def raw_of(path: str) -> col.TextColumn:
+        j = index[path]
+        return col.TextColumn(buf, starts[:, j], ends[:, j])
+
+    return np.array(rows, np.int64), raw_of, bad
 
 
 # ------------------------------------------------------------------ fields -> columns

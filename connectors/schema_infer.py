@@ -23,6 +23,7 @@ are there for the person who edits it.
 """
 from __future__ import annotations
 
+import csv
 import math
 import re
 from dataclasses import dataclass, field
@@ -135,11 +136,12 @@ def _flatten(record: dict, prefix: str = ""):
 def _csv_leaves(lines: list[bytes]) -> tuple[dict[str, _Leaf], int, dict]:
     header = lines[0].rstrip(b"\r\n").decode("utf-8", errors="replace")
     delimiter = max(DELIMITERS, key=header.count)
-    names = header.split(delimiter)
+    rows = csv.reader((line.rstrip(b"\r\n").decode("utf-8", errors="replace") for line in lines),
+                      delimiter=delimiter)          # RFC 4180 quoting, as the decoder reads it
+    names = next(rows)
     leaves = {name: _Leaf(name) for name in names}
     n = 0
-    for line in lines[1:]:
-        cells = line.rstrip(b"\r\n").decode("utf-8", errors="replace").split(delimiter)
+    for cells in rows:
         if len(cells) != len(names):
             continue
         n += 1

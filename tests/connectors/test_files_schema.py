@@ -51,6 +51,20 @@ def test_csv_header_names_the_columns(tmp_path):
     assert [(r.offset, r.reason) for r in rejected] == [(1, "missing:n"), (2, "bad_value:n")]
 
 
+def test_a_quoted_csv_file_reads_through_its_header_and_schema_infer(tmp_path):
+    from stream_ctr.connectors.schema_infer import infer_schema
+    path = tmp_path / "log.csv"
+    path.write_text('y,"site, name",n\n' + "".join(f'{i % 2},"s{i % 3}, ""x""",{i}\n' for i in range(60)))
+    schema, _ = infer_schema(path, "csv", 50)
+    assert [(f.name, f.path, f.kind) for f in schema.fields][:2] == [("y", "y", "label"),
+                                                                      ("site__name", "site, name", "categorical")]
+    fmt, p = detect_format(f"csv:{path}", schema_to_toml(schema))
+    with FileSource(p, fmt) as src:
+        assert src.fmt.columns == ("y", "site, name", "n")
+        batch, rejected = src.read()
+    assert len(batch) == 60 and rejected == []
+    assert len(set(batch.keys[:, 0].tolist())) == 3
+
 def test_csv_header_without_a_declared_column_is_one_clear_error(tmp_path):
     path = tmp_path / "log.csv"
     path.write_text("y,place,n\n1,a,3\n")

@@ -178,6 +178,52 @@ def test_csv_decodes_the_same_tokens_as_json():
     assert bj.keys[0, 0] == b.keys[0, 0]
 
 
+QUOTED = """
+[schema]
+encoding = "csv"
+columns = ["y", "site", "price", "tags"]
+[schema.fields.y]
+kind = "label"
+[schema.fields.site]
+kind = "categorical"
+[schema.fields.price]
+kind = "numeric"
+[schema.fields.tags]
+kind = "multi_hot"
+max_len = 5
+"""
+
+
+def test_quoted_csv_fields_decode_as_the_same_values_unquoted():
+    schema = parse_schema(QUOTED)
+    data = (b'1,news,1.5,a|b\n'                        # plain: the vectorized path
+            b'0,"news, sports",2,"c|d"\n'               # the delimiter inside quotes
+            b'1,"say ""hi""",3,\r\n'                     # a doubled quote, CRLF, an empty list
+            b'0,"news",1.5,"a|b"\n'                      # quoted, the same values as line 0
+            b'1,"open,4,x\n'                            # an unclosed quote (or a line break inside)
+            b'0,"a",1\n'                                # quoted but a field short
+            b'1,caf\xc3\xa9,"7",x\n')                    # UTF-8 and a quoted number
+    b, rejected = decode_records(data, schema, "p", 0)
+    assert [(r.offset, r.reason) for r in rejected] == [(4, "bad_quote"), (5, "field_count")]
+    assert rejected[0].raw == b'1,"open,4,x'
+    assert b.offset.tolist() == [0, 1, 2, 3, 6]
+    assert b.keys[:, 0].tolist() == hash_strings(["news", "news, sports", 'say "hi"', "news", "café"],
+                                                 0).tolist()
+    assert b.dense[:, 0].tolist() == [1.5, 2.0, 3.0, 1.5, 7.0]
+    assert b.jagged[0].lengths.tolist() == [2, 2, 0, 2, 1]
+    assert np.array_equal(b.jagged[0].values[:2], b.jagged[0].values[4:6])    # "a|b" == a|b
+    # with quoting off, quotes are plain data and the delimiter always splits
+    off = parse_schema(QUOTED.replace('columns', 'quote = ""\ncolumns'))
+    b_off, rejected = decode_records(b'0,"news",1.5,x\n0,"a,b",1,x\n', off, "p", 0)
+    assert b_off.keys[0, 0] == hash_strings(['"news"'], 0)[0]
+    assert [(r.offset, r.reason) for r in rejected] == [(1, "field_count")]
+
+
+def test_a_quote_that_is_the_delimiter_is_refused():
+    with pytest.raises(Exception, match="quote must be one ASCII character"):
+        parse_schema(QUOTED.replace('columns', 'quote = ","\ncolumns'))
+
+
 MULTI = """
 [schema]
 encoding = "{enc}"
