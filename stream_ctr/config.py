@@ -192,6 +192,21 @@ class MetricsConfig:
 
 
 @dataclass
+class ServingConfig:
+    # Publish the model for predict servers while training (stream_ctr/serving/publisher.py):
+    # a directory that `stream-ctr serve --follow` reads; "" = off. Each invocation's first
+    # publish is a full snapshot, every later one a delta (rows touched since the last one +
+    # the dense weights), each right after a durable checkpoint.
+    publish: str = ""
+    # Checkpoint and publish at least this often (seconds of training); 0 = only at the
+    # checkpoints train.checkpoint_every_batches makes.
+    publish_every_s: float = 0.0
+    # A full snapshot instead of a delta every N publishes (bounds a follower's catch-up
+    # and, with store TTL, the rows a follower keeps past their expiry); 0 = never.
+    full_every: int = 50
+
+
+@dataclass
 class DistributedConfig:
     # Several replicas under torchrun (stream_ctr/distributed/context.py, DESIGN.md step 7).
     merge_every_k_steps: int = 8    # average the dense replicas every k steps (k-step Adam)
@@ -210,6 +225,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
     # kafka:// sources (connectors/kafka/options.py; the URL's ?group=&format= override)
     kafka: KafkaOptions = field(default_factory=KafkaOptions)
 
@@ -418,6 +434,11 @@ def validate(cfg: Config) -> Config:
                                         and not cfg.store.ttl_seconds),
          "store.admission_min_count, store.ttl_steps and store.ttl_seconds need store.kind = "
          "tiered (the in-memory table keeps every row); set --set store.kind=tiered or drop them"),
+        (cfg.serving.publish_every_s >= 0,
+         f"serving.publish_every_s must be >= 0 (0: publish at checkpoints only), got {cfg.serving.publish_every_s}"),
+        (cfg.serving.full_every >= 0, f"serving.full_every must be >= 0 (0: deltas only), got {cfg.serving.full_every}"),
+        (not cfg.serving.publish.lower().startswith("kafka://"),
+         "serving.publish (--publish) takes a directory; publishing to a Kafka topic is not built yet"),
         (cfg.distributed.merge_every_k_steps >= 1,
          f"distributed.merge_every_k_steps must be >= 1, got {cfg.distributed.merge_every_k_steps}"),
         (cfg.distributed.timeout_s > 0, f"distributed.timeout_s must be > 0, got {cfg.distributed.timeout_s}"),

@@ -42,7 +42,7 @@ EPILOG = """examples:
 
 options can also come from a TOML file (--config, or $STREAM_CTR_CONFIG) and from
 --set section.name=value (sections: data, model, optim, train, metrics, kafka,
-distributed)."""
+distributed, serving)."""
 
 
 def _env(name: str, default: Any = None) -> Any:
@@ -126,6 +126,11 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-addr", default=_env("STREAM_CTR_METRICS_ADDR"),
                    help="metrics.addr: address the metrics endpoint binds (default 127.0.0.1; "
                    "0.0.0.0 for remote scrapers) [env STREAM_CTR_METRICS_ADDR]")
+    p.add_argument("--publish", metavar="DIR", help="serving.publish: publish the model into DIR "
+                   "after every checkpoint (a full snapshot first, then deltas: the rows trained "
+                   "since, and the dense weights) for `stream-ctr serve --follow DIR`")
+    p.add_argument("--publish-every-s", type=float, metavar="SECONDS", help="serving.publish_every_s: "
+                   "checkpoint and publish at least this often (default: at checkpoints only)")
     p.add_argument("--distributed", action="store_true",
                    help="train as several replicas (sharded embeddings, k-step dense merging); "
                    "automatic under torchrun, otherwise starts --nproc-per-node local ranks")
@@ -315,7 +320,9 @@ def cmd_train(args: argparse.Namespace) -> int:
              "device": ("train.device", args.device), "seed": ("train.seed", args.seed),
              "threads": ("train.threads", args.threads),
              "metrics_port": ("metrics.port", args.metrics_port),
-             "metrics_addr": ("metrics.addr", args.metrics_addr)}
+             "metrics_addr": ("metrics.addr", args.metrics_addr),
+             "publish": ("serving.publish", args.publish),
+             "publish_every_s": ("serving.publish_every_s", args.publish_every_s)}
     for dotted, value in flags.values():
         if value is not None:
             set_option(cfg, dotted, value, origin="command line")

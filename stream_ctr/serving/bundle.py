@@ -140,9 +140,12 @@ class Bundle:
 
     @property
     def version(self) -> str:
-        """The model version: the checkpoint it came from and its step."""
+        """The model version: the checkpoint it came from and its step; for a published
+        version (published.py) prefixed by its number, e.g. "v12:ckpt-00000120@120"."""
         c = self.manifest["checkpoint"]
-        return f"{c['name']}@{c['step']}"
+        published = self.manifest.get("publish")
+        prefix = f"v{published['version']}:" if published else ""
+        return f"{prefix}{c['name']}@{c['step']}"
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:

@@ -15,7 +15,8 @@ import numpy as np
 from stream_ctr.config import Config, ConfigError
 from stream_ctr.connectors.files import SourceError, count_records, detect_format
 from stream_ctr.serving.bundle import read_bundle
-from stream_ctr.serving.export import export_bundle
+from stream_ctr.serving.export import checkpoint_record, export_bundle
+from stream_ctr.serving.follower import Follower, initial_bundle
 from stream_ctr.serving.scorer import PRECISIONS, Scorer, score_file
 from stream_ctr.serving.server import HTTP_STACKS, Server
 
@@ -78,8 +79,14 @@ def add_serving_parsers(sub: argparse._SubParsersAction, add_common) -> None:
                        "request with a record that does not decode is answered 400, naming the "
                        "records and why. Concurrent requests are coalesced into one scoring call. "
                        "GET /healthz, GET /metrics (Prometheus).")
-    s.add_argument("bundle", help="bundle directory (stream-ctr export)")
+    s.add_argument("bundle", nargs="?", help="bundle directory (stream-ctr export), or a publish "
+                   "directory (train --publish: its newest version); default with --follow: the "
+                   "followed directory")
     s.add_argument("--port", type=int, required=True, help="TCP port (0: any free one)")
+    s.add_argument("--follow", metavar="DIR", help="apply what `stream-ctr train --publish DIR` "
+                   "publishes (full snapshots and deltas) while serving, without pausing requests")
+    s.add_argument("--follow-poll-s", type=float, default=0.5, metavar="SECONDS",
+                   help="how often --follow looks for a new version (default 0.5)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--device", default="cpu", help="torch device to score on")
     s.add_argument("--precision", choices=PRECISIONS, default=None, help="default: the bundle's")
@@ -100,6 +107,7 @@ def add_serving_parsers(sub: argparse._SubParsersAction, add_common) -> None:
 
 SERVE_EPILOG = """examples:
   stream-ctr serve bundles/ctr-v1 --port 8500
+  stream-ctr serve --follow published/ --port 8500        # beside: stream-ctr train ... --publish published/
   curl -s --data-binary @lines.tsv 127.0.0.1:8500/predict      # Criteo TSV lines, label column ignored
   curl -s -H 'Content-Type: application/json' -d '["0\\t1\\t...", "..."]' 127.0.0.1:8500/predict"""
 
@@ -110,18 +118,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
-    scorer = Scorer(read_bundle(args.bundle), args.device, args.precision)
+    if args.bundle is None and args.follow is None:
+        raise ConfigError("name a bundle to serve (stream-ctr serve BUNDLE --port P), or a publish "
+                          "directory to follow (--follow DIR)")
+    if args.follow_poll_s <= 0:
+        raise ConfigError(f"--follow-poll-s must be > 0, got {args.follow_poll_s}")
+    source = args.bundle or args.follow
+    if args.follow and not (Path(args.follow) / "PUBLISHED.json").exists() and args.bundle is None:
+        raise ConfigError(f"--follow {args.follow}: nothing is published there yet (no PUBLISHED.json); "
+                          "start the trainer with --publish first, or name a bundle to serve meanwhile")
+    scorer = Scorer(read_bundle(initial_bundle(source)), args.device, args.precision)
     server = Server(scorer, args.host, args.port, http=args.http, coalesce=not args.no_coalesce,
                     max_batch_records=args.max_batch_records, max_wait_s=args.max_wait_ms / 1000)
+    follower = None
+    published = args.follow or (source if (Path(source) / "PUBLISHED.json").exists() else None)
+    if published:
+        follower = Follower(published, server.predictor, args.device, args.precision, args.follow_poll_s)
+        follower.poll()                 # the newest version (the chain applied) before the first request
+        if args.follow:
+            follower.start()
+
+    def close() -> None:
+        if follower is not None and args.follow:
+            follower.close()
+        server.close()
     server.start()
-    signal.signal(signal.SIGTERM, lambda *_: server.close())
+    signal.signal(signal.SIGTERM, lambda *_: close())
     # One line a supervisor (or a test) can wait for: where it listens, which model answers.
-    print(f"serving {scorer.version} on http://{server.host}:{server.port} (POST /predict, "
-          f"GET /healthz, GET /metrics; {args.http})", flush=True, file=sys.stdout)
+    following = f"; following {args.follow}" if args.follow else ""
+    print(f"serving {server.predictor.model().version} on http://{server.host}:{server.port} "
+          f"(POST /predict, GET /healthz, GET /metrics; {args.http}{following})", flush=True, file=sys.stdout)
     try:
         server.wait()
     except KeyboardInterrupt:
-        server.close()
+        close()
     return 0
 
 
@@ -135,12 +165,8 @@ def cmd_export(args: argparse.Namespace) -> tuple[dict, str]:
     # What the run trained and tested in: recorded in its checkpoints; resolved the way the
     # trainer resolves train.precision for older checkpoints that lack it.
     precision = state.extra.get("precision") or _resolved_precision(cfg)
-    checkpoint = {"path": str(Path(where).resolve()), "name": Path(where).name, "step": state.step,
-                  "records_trained": state.records_trained, "epoch": state.extra.get("epoch", 0),
-                  # the offsets after the last trained record ({} once a file's last pass ended)
-                  "positions": state.positions,
-                  # when the checkpoint became durable: the model age a server reports
-                  "time_s": checkpoint_time_s(Path(where))}
+    checkpoint = checkpoint_record(where, state.step, state.records_trained, state.extra.get("epoch", 0),
+                                   state.positions)
     manifest = export_bundle(state.tensors, state.config, args.out, source_format(cfg), checkpoint,
                              precision, held_out_lines(cfg))
     rows = manifest["rows"]["count"]
@@ -148,15 +174,6 @@ def cmd_export(args: argparse.Namespace) -> tuple[dict, str]:
              "rows": rows, "precision": precision, "files": manifest["files"]},
             f"exported {Path(where).name} (step {state.step:,}, {state.records_trained:,} records "
             f"trained) with {rows:,} embedding rows to {args.out}")
-
-
-def checkpoint_time_s(where: Path) -> float:
-    """When a checkpoint was written: its manifest's modification time (the file written
-    last, once everything else was durable), else its directory's."""
-    for p in (where / "manifest.json", where):
-        if p.exists():
-            return p.stat().st_mtime
-    return Path(where).stat().st_mtime
 
 
 def _resolved_precision(cfg: Config) -> str:

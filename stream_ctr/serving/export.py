@@ -40,45 +40,84 @@ CHUNK_ROWS = 65536
 
 def export_bundle(tensors: dict[str, Any], config: dict[str, Any], out: str | Path, fmt: RecordFormat | Schema,
                   checkpoint: dict[str, Any], precision: str, held_out: dict[str, Any] | None = None,
-                  chunk_rows: int = CHUNK_ROWS) -> dict[str, Any]:
+                  chunk_rows: int = CHUNK_ROWS, extra: dict[str, Any] | None = None,
+                  tier: LmdbTier | None = None) -> dict[str, Any]:
     """Write the bundle of a loaded checkpoint (`tensors`, `config` as saved) to `out`;
-    returns its manifest. `checkpoint` describes the source (path, name, step,
-    records_trained, positions); `precision` is what the bundle scores in (fp32|bf16);
-    `held_out` the run's held-out lines ({"source", "start", "stop"}) when known."""
+    returns its manifest. `checkpoint` describes the source (`checkpoint_record`);
+    `precision` is what the bundle scores in (fp32|bf16); `held_out` the run's
+    held-out lines ({"source", "start", "stop"}) when known; `extra` more manifest
+    sections (a published version's "publish"). `tier`: the tiered store's LMDB
+    already open in this process (a trainer publishing), read instead of opening it
+    again -- LMDB forbids opening one environment twice in a process."""
     cfg = Config.from_dict(config, origin="checkpoint config")
     trainer = tensors["trainer"]
     layout = RowLayout(cfg.model.embed_dim)
     writer = BundleWriter(out, layout.cols)
     try:
         store = trainer["store"]
-        chunks = (tiered_rows(store, cfg, chunk_rows) if store.get("kind") == "tiered"
+        chunks = (tiered_rows(store, cfg, chunk_rows, tier) if store.get("kind") == "tiered"
                   else memory_rows(store, layout.cols, chunk_rows))
         for keys, rows in chunks:
             writer.add(keys, rows)
-        manifest = {
-            "model": dataclasses.asdict(cfg.model), "n_fields": fmt.n_model_fields, "n_dense": fmt.n_dense,
-            "record_format": {"name": fmt.name, "key_fields": list(fmt.key_fields),
-                              "n_dense": fmt.n_dense, "has_header": fmt.has_header,
-                              "delimiter": fmt.delimiter, "keys": "connectors/hashing.py (63-bit signs)",
-                              # a declared schema (json:/csv: sources): how predict decodes records
-                              "schema": cfg.data.schema},
-            "checkpoint": checkpoint, "precision": precision,
-            "precision_setting": cfg.train.precision,
-            "init": {"rule": "stream_ctr.store.embedding.init_rows", "seed": cfg.train.seed,
-                     "init_std": cfg.model.init_std},
-            "rows": {"dim": layout.dim, "dtype": "float32",
-                     "columns": f"embedding [0, {layout.dim}), linear weight [{layout.dim}]",
-                     "store": store.get("kind", "memory")},
-            "run": {"source": cfg.data.source, "holdout_fraction": cfg.data.holdout_fraction,
-                    "held_out": held_out},
-        }
-        manifest["created_by"] = f"stream-ctr {__version__}"
+        manifest = {**bundle_manifest(cfg, fmt, checkpoint, precision, store.get("kind", "memory"), held_out),
+                    **(extra or {})}
         # The averaged dense weights when the run kept them: the model its test AUC measured.
-        writer.finish(trainer.get("model_average", trainer["model"]), manifest)
+        writer.finish(dense_weights(tensors), manifest)
     except BaseException:
         writer.abort()
         raise
     return read_manifest(out)
+
+
+def dense_weights(tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The dense model a bundle serves: the averaged weights when the run kept them (what
+    its held-out AUC measured), else the live ones."""
+    trainer = tensors["trainer"]
+    return trainer.get("model_average", trainer["model"])
+
+
+def bundle_manifest(cfg: Config, fmt: RecordFormat | Schema, checkpoint: dict[str, Any], precision: str,
+                    store_kind: str, held_out: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest of a bundle of `cfg`'s model (BundleWriter.finish adds rows and files)."""
+    layout = RowLayout(cfg.model.embed_dim)
+    return {
+        "model": dataclasses.asdict(cfg.model), "n_fields": fmt.n_model_fields, "n_dense": fmt.n_dense,
+        "record_format": {"name": fmt.name, "key_fields": list(fmt.key_fields),
+                          "n_dense": fmt.n_dense, "has_header": fmt.has_header,
+                          "delimiter": fmt.delimiter, "keys": "connectors/hashing.py (63-bit signs)",
+                          # a declared schema (json:/csv: sources): how predict decodes records
+                          "schema": cfg.data.schema},
+        "checkpoint": checkpoint, "precision": precision,
+        "precision_setting": cfg.train.precision,
+        "init": {"rule": "stream_ctr.store.embedding.init_rows", "seed": cfg.train.seed,
+                 "init_std": cfg.model.init_std},
+        "rows": {"dim": layout.dim, "dtype": "float32",
+                 "columns": f"embedding [0, {layout.dim}), linear weight [{layout.dim}]",
+                 "store": store_kind},
+        "run": {"source": cfg.data.source, "holdout_fraction": cfg.data.holdout_fraction,
+                "held_out": held_out},
+        "created_by": f"stream-ctr {__version__}",
+    }
+
+
+def checkpoint_record(where: str | Path, step: int, records_trained: int, epoch: int,
+                      positions: dict[str, int]) -> dict[str, Any]:
+    """The manifest's "checkpoint": which checkpoint a bundle holds the model of."""
+    return {"path": str(Path(where).resolve()), "name": Path(where).name, "step": step,
+            "records_trained": records_trained, "epoch": epoch,
+            # the offsets after the last trained record ({} once a file's last pass ended)
+            "positions": positions,
+            # when the checkpoint became durable: the model age a server reports
+            "time_s": checkpoint_time_s(Path(where))}
+
+
+def checkpoint_time_s(where: Path) -> float:
+    """When a checkpoint was written: its manifest's modification time (the file written
+    last, once everything else was durable), else its directory's."""
+    for p in (where / "manifest.json", where):
+        if p.exists():
+            return p.stat().st_mtime
+    return Path(where).stat().st_mtime
 
 
 def memory_rows(store: dict[str, torch.Tensor], cols: int,
@@ -95,13 +134,14 @@ def memory_rows(store: dict[str, torch.Tensor], cols: int,
         yield keys[idx], weight[torch.from_numpy(idx)].numpy()
 
 
-def tiered_rows(store: dict[str, Any], cfg: Config,
-                chunk_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def tiered_rows(store: dict[str, Any], cfg: Config, chunk_rows: int,
+                open_tier: LmdbTier | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """A tiered store's (keys, rows) as of the checkpoint's generation, in key order,
-    at most about `chunk_rows` at a time; expired rows left out."""
+    at most about `chunk_rows` at a time; expired rows left out. `open_tier`: the
+    store's LMDB when this process has it open already (left open)."""
     layout = RowLayout(cfg.model.embed_dim)
-    tier = LmdbTier(store["store_dir"], layout, cfg.store.disk_bytes, cfg.train.keep_checkpoints,
-                    read_only=True, mapped_bytes=cfg.store.mapped_bytes)
+    tier = open_tier or LmdbTier(store["store_dir"], layout, cfg.store.disk_bytes, cfg.train.keep_checkpoints,
+                                 read_only=True, mapped_bytes=cfg.store.mapped_bytes)
     try:
         if store["store_id"] != tier.store_id:
             raise StoreError(f"the checkpoint's rows live in LMDB store {store['store_dir']} "
@@ -116,7 +156,8 @@ def tiered_rows(store: dict[str, Any], cfg: Config,
         finally:
             view.close()
     finally:
-        tier.close()
+        if open_tier is None:
+            tier.close()
 
 
 def _expired(packed: np.ndarray, layout: RowLayout, cfg: Config, store: dict[str, Any]) -> np.ndarray:

@@ -43,7 +43,7 @@ from stream_ctr.connectors.formats import RecordFormat, format_by_name
 from stream_ctr.connectors.schema import Schema, parse_schema
 from stream_ctr.connectors.schema_decode import decode_records
 from stream_ctr.serving.bundle import Bundle
-from stream_ctr.serving.metrics import ServingMetrics
+from stream_ctr.serving.metrics import ModelStatus, ServingMetrics
 from stream_ctr.serving.scorer import Scorer
 
 MAX_BODY_BYTES = 64 << 20
@@ -250,6 +250,7 @@ class Predictor:
         from prometheus_client import CollectorRegistry
         self._lock = threading.Lock()
         self._scorer = scorer
+        scorer.live_since_s = time.time()
         self.layout = bundle_layout(scorer.bundle)
         self.metrics = metrics or ServingMetrics(CollectorRegistry(), self.model)
         self.batcher = Batcher(self.current, self.metrics, **batching)
@@ -258,11 +259,16 @@ class Predictor:
         with self._lock:
             return self._scorer, self._scorer.version
 
-    def model(self) -> tuple[str, int, float | None]:
-        """(version, step, checkpoint time) of the model answering now."""
+    def model(self) -> ModelStatus:
+        """The version, step, checkpoint time and freshness of the model answering now."""
         scorer, version = self.current()
         ckpt = scorer.bundle.manifest["checkpoint"]
-        return version, int(ckpt["step"]), ckpt.get("time_s")
+        published = scorer.bundle.manifest.get("publish") or {}
+        since = scorer.live_since_s
+        fresh = since - scorer.newest_arrival_s if since and scorer.newest_arrival_s is not None else None
+        event = since - scorer.newest_event_ms / 1000 if since and scorer.newest_event_ms is not None else None
+        return ModelStatus(version, int(ckpt["step"]), ckpt.get("time_s"), published.get("version"),
+                           fresh, event)
 
     def swap(self, scorer: Scorer) -> Scorer:
         """Answer with `scorer` from the next scoring call on; returns the one it replaces.
@@ -273,6 +279,7 @@ class Predictor:
             raise ValueError(f"cannot swap in {scorer.bundle.path}: it takes other records than "
                              f"the model serving now")
         with self._lock:
+            scorer.live_since_s = time.time()      # the next scoring call answers with it
             old, self._scorer = self._scorer, scorer
         self.metrics.swaps.inc()
         return old
@@ -303,8 +310,11 @@ class Predictor:
         return status, out
 
     def health(self) -> bytes:
-        version, step, _ = self.model()
-        return orjson.dumps({"status": "ok", "model_version": version, "step": step})
+        m = self.model()
+        out = {"status": "ok", "model_version": m.version, "step": m.step}
+        if m.published_version is not None:
+            out["published_version"] = m.published_version
+        return orjson.dumps(out)
 
     def close(self) -> None:
         self.batcher.close()

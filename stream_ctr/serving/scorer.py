@@ -23,6 +23,7 @@ from stream_ctr.connectors.formats import RecordFormat
 from stream_ctr.models.networks import build_model
 from stream_ctr.models.field_inputs import batch_keys, field_inputs
 from stream_ctr.serving.bundle import Bundle, BundleError, model_config_fields
+from stream_ctr.serving.table import RowTable
 from stream_ctr.store.embedding import init_rows
 
 PRECISIONS = ("fp32", "bf16")
@@ -32,9 +33,12 @@ class Scorer:
     """A bundle's model, ready to score batches of its record format."""
 
     def __init__(self, bundle: Bundle, device: str | torch.device = "cpu",
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, table: RowTable | None = None) -> None:
+        """`table`: the rows to score with (a follower's full snapshot with deltas applied);
+        default the bundle's own."""
         m = bundle.manifest
         self.bundle = bundle
+        self.table = table if table is not None else RowTable.of(bundle.keys, bundle.rows)
         self.device = torch.device(device)
         self.precision = precision or m["precision"]
         if self.precision not in PRECISIONS:
@@ -43,8 +47,8 @@ class Scorer:
         self.n_fields, self.n_dense = int(m["n_fields"]), int(m["n_dense"])
         self.dim = self.model_cfg.embed_dim
         self.seed, self.init_std = int(m["init"]["seed"]), float(m["init"]["init_std"])
-        if bundle.rows.shape[1] != self.dim + 1:
-            raise BundleError(f"{bundle.path}: rows have {bundle.rows.shape[1]} columns, "
+        if self.table.cols != self.dim + 1:
+            raise BundleError(f"{bundle.path}: rows have {self.table.cols} columns, "
                               f"model.embed_dim {self.dim} needs {self.dim + 1}")
         self.model = build_model(self.model_cfg, self.n_fields, self.n_dense)
         try:
@@ -53,6 +57,13 @@ class Scorer:
             raise BundleError(f"{bundle.path}/dense.pt does not fit the manifest's model: "
                               f"{str(e).splitlines()[0]}") from None
         self.model.to(self.device).eval()
+        # Freshness: the newest arrival at the trainer (s) / event time (ms) of the records
+        # this model trained on (a follower sets them over the versions it applied), and
+        # when a server began answering with it (Predictor sets that).
+        published = m.get("publish") or {}
+        self.newest_arrival_s: float | None = published.get("newest_arrival_s")
+        self.newest_event_ms: int | None = published.get("newest_event_ms")
+        self.live_since_s: float | None = None
 
     @property
     def version(self) -> str:
@@ -60,15 +71,7 @@ class Scorer:
 
     def rows(self, keys: torch.Tensor) -> torch.Tensor:
         """Rows [U, dim + 1] for sorted unique keys [U]: the bundle's, else the initial row."""
-        k = keys.cpu().numpy()
-        table = self.bundle.keys
-        found = np.zeros(len(k), dtype=bool)
-        pos = np.zeros(len(k), dtype=np.int64)
-        if len(table):
-            pos = np.searchsorted(table, k).clip(max=len(table) - 1)
-            found = np.asarray(table[pos]) == k
-        out = np.empty((len(k), self.dim + 1), dtype=np.float32)
-        out[found] = self.bundle.rows[pos[found]]        # ascending positions: sequential pages
+        found, out = self.table.lookup(keys.cpu().numpy())
         rows = torch.from_numpy(out).to(self.device)
         absent = torch.from_numpy(~found).to(self.device)
         if bool(absent.any()):

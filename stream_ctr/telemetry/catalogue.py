@@ -136,10 +136,43 @@ STANDARD_NAMES = frozenset({
     "process_start_time_seconds", "process_open_fds", "process_max_fds"})
 SPECS: dict[str, MetricSpec] = {s.name: s for s in CATALOGUE}
 
+# The predict server's (`stream-ctr serve`, stream_ctr/serving/metrics.py): another process,
+# scraped beside the trainers; a trainer exposes none of them, so they are not in CATALOGUE.
+# The last six only while it follows a publish directory (`serve --follow`).
+SERVING_CATALOGUE: tuple[MetricSpec, ...] = (
+    _spec("serving_request_seconds", "histogram", "", "Wall time of one POST /predict, from its body "
+          "read to its answer (histogram; rejected requests included)."),
+    _spec("serving_records_scored_total", "counter", "", "Records scored and answered."),
+    _spec("serving_requests_total", "counter", "code",
+          "POST /predict requests answered, by code (200, 400, 413, 500, 503)."),
+    _spec("serving_batch_records", "histogram", "", "Records per scoring call: concurrent requests "
+          "coalesced by the scoring thread (histogram)."),
+    _spec("serving_model_info", "gauge", "version",
+          "Always 1; the label version names the model answering (checkpoint@step)."),
+    _spec("serving_model_step", "gauge", "", "The training step of the model answering."),
+    _spec("serving_model_age_seconds", "gauge", "", "Now minus the time its checkpoint was written "
+          "(absent for a bundle exported before manifests carried that time)."),
+    _spec("serving_model_swaps_total", "counter", "", "Models swapped in while serving."),
+    _spec("serving_model_published_version", "gauge", "",
+          "The published version (train --publish) of the model answering."),
+    _spec("serving_freshness_seconds", "gauge", "", "Freshness: from the arrival at the trainer of "
+          "the newest record the model answering trained on to when this server began answering "
+          "with it; absent when unknown (a resumed run's first snapshot)."),
+    _spec("serving_event_freshness_seconds", "gauge", "", "The same from that record's event time "
+          "(absent when the records carry none)."),
+    _spec("serving_update_apply_seconds", "histogram", "", "Time to read and apply one update from the "
+          "publish directory (deltas, or a full snapshot and its chain) up to the swap."),
+    _spec("serving_updates_total", "counter", "kind", "Published versions applied, by kind (full, delta)."),
+    _spec("serving_update_failures_total", "counter", "",
+          "Polls of the publish directory that failed to apply (a missing or corrupt version)."),
+)
+FOLLOW_ONLY = frozenset(s.name for s in SERVING_CATALOGUE[-6:])
+
 
 def exported_names() -> frozenset[str]:
-    """Every sample name a stream_ctr trainer can expose (histogram suffixes included)."""
-    return frozenset(n for s in CATALOGUE for n in s.series_names) | STANDARD_NAMES
+    """Every sample name a stream_ctr trainer or predict server can expose (histogram
+    suffixes included)."""
+    return frozenset(n for s in CATALOGUE + SERVING_CATALOGUE for n in s.series_names) | STANDARD_NAMES
 
 
 def spec(short: str) -> MetricSpec:

@@ -21,6 +21,8 @@ from stream_ctr.connectors.read_ahead import ReadAhead
 from stream_ctr.train.checkpoint import (CheckpointState, holds_checkpoint, load_checkpoint, resolve_checkpoint,
                                          save_checkpoint)
 from stream_ctr.config import Config, ConfigError, describe_optim, validate
+from stream_ctr.serving.export import checkpoint_record
+from stream_ctr.serving.publisher import open_publisher
 from stream_ctr.train.evaluation import Accuracy, PrequentialWindow, accuracy
 from stream_ctr.train.run_dir import (choose_run_dir, link_checkpoint_dir, point_latest, run_dir_of,
                                       set_aside_attempt)
@@ -199,6 +201,11 @@ class Run:
             self.monitor.metrics.resumed_from_checkpoint(manifest.stat().st_mtime)
         if self.epoch:
             self.monitor.metrics.observe_epoch(self.epoch, another_pass=self.epoch < cfg.data.epochs)
+        # --publish: a resumed run publishes the model it resumed from before it trains
+        # (stream_ctr/serving/publisher.py says why no rolled-back version is ever served).
+        self.publisher = open_publisher(cfg, self.fmt)
+        if self.publisher is not None and state is not None:
+            self.publish(state.tensors, resolve_checkpoint(resume), state)
 
     def source_lag(self) -> dict[str, int]:
         """Consumer lag of the file source: records of the training range not yet trained."""
@@ -322,6 +329,14 @@ class Run:
         self.monitor.on_checkpoint(time.perf_counter() - t0, self.summary.checkpoint)
         if commit and self.stream is not None:
             self.source.commit(self.positions)
+        if self.publisher is not None:      # only now: the checkpoint is durable
+            self.publish(tensors, Path(self.summary.checkpoint), state)
+
+    def publish(self, tensors: dict, where: Path, state: CheckpointState) -> None:
+        """Publish the model of the durable checkpoint at `where` (--publish)."""
+        self.publisher.publish(tensors, checkpoint_record(where, state.step, state.records_trained,
+                                                          state.extra.get("epoch", 0), state.positions),
+                               self.trainer.precision, self.trainer.store)
 
     def __enter__(self) -> "Run":
         return self
@@ -353,6 +368,8 @@ class Run:
             if s.test_per_epoch:
                 s.test_per_epoch.append({"epoch": self.epoch, **s.test})
         self.monitor.close(s.as_dict())
+        if self.publisher is not None:
+            self.publisher.close()
         self.trainer.store.close()          # a tiered store waits for its I/O and closes LMDB
         return s
 
@@ -393,20 +410,26 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
         while run.wants_more and not stop.requested:
             with run.open_source() as source:
                 batches = run.batches(source, stop)
+                if run.publisher is not None:   # when each batch was read: what freshness counts from
+                    batches = run.publisher.stamp(batches)
                 # A tiered store prefetches the next batch's rows while this one trains.
                 run.lookahead = LookAhead(batches, cfg.store.kind == "tiered")
                 completed = False
                 for batch, upcoming in run.lookahead:
+                    arrived_s = run.publisher.arrival() if run.publisher is not None else 0.0
                     batch = run.owned(batch)    # a rebalance during the look-ahead read?
                     if not len(batch):
                         continue
                     # Step: its forward pass scores the batch before the update (prequential).
                     result = run.trainer.train_step(batch, upcoming)
+                    if run.publisher is not None:   # its rows go in the next published delta
+                        run.publisher.trained(batch, arrived_s)
                     # Evaluate and advance the resume point past this batch.
                     acc = run.record_and_report(batch, result)
                     progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss,
                                     window=run.window_label())
-                    if every and run.summary.batches % every == 0:
+                    if (every and run.summary.batches % every == 0) or (
+                            run.publisher is not None and run.publisher.due()):
                         run.checkpoint()
                     if stop.requested:
                         break
