@@ -47,6 +47,11 @@ class KafkaOptions:
     # dead-letter file instead.
     dead_letter_topic: str = "{topic}.dead-letter"
     stop_when_idle_s: float = 0.0              # end the run after this long without records; 0 = never
+    # Batches as a function of offsets alone: each takes a fixed share of every
+    # partition in offset order, so a resumed or re-run job trains the same
+    # batches and ends with the same model bit for bit (stream_ctr/train/offset_batches.py).
+    # For one consumer per group; a partition that lags stalls a batch up to data.max_batch_delay_s.
+    deterministic_batches: bool = False
     max_poll_records: int = 20000              # messages per fetch round
     fetch_max_bytes: int = 64 << 20
     max_partition_fetch_bytes: int = 16 << 20

@@ -186,6 +186,9 @@ class KafkaSource:
         self._listener_error: BaseException | None = None
         self._highwater: dict[str, int] = {}         # per partition, from the last fetch response
         self._consumer = connect_consumer(url)
+        # Every partition of the topics at start (connect_consumer checked they exist).
+        self.partition_names: tuple[str, ...] = tuple(
+            partition_name(t, p) for t in url.topics for p in sorted(self._consumer.partitions_for_topic(t)))
         self._consumer.subscribe(list(url.topics), listener=Listener(self))
 
     # -- the source contract ------------------------------------------------

@@ -4,6 +4,7 @@
     batches     file micro-batches, the look-ahead batch, the stop signal
     batcher     rows -> batches of the configured size
     streaming   Kafka sources: latency-bounded batches, dead letters
+    offset_batches  Kafka batches as a function of offsets (kafka.deterministic_batches)
     trainer     the model, its store and both optimizers; one step
     precision   fp32 or bf16 (autocast) for the dense model, by hardware
     checkpoint  atomic, checksummed checkpoints with the source position

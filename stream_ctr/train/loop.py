@@ -30,7 +30,7 @@ from stream_ctr.telemetry.monitor import RunMonitor
 from stream_ctr.telemetry.progress import Progress
 from stream_ctr.train.batches import LookAhead, StopSignal, micro_batches
 from stream_ctr.connectors.kafka.options import KafkaUrl
-from stream_ctr.train.streaming import (StreamBatcher, declared_schema, open_dead_letter, source_format,
+from stream_ctr.train.streaming import (declared_schema, new_stream_batcher, open_dead_letter, source_format,
                                   stream_batches, stream_url)
 from stream_ctr.store import resume_store_config
 from stream_ctr.train.trainer import Trainer
@@ -186,9 +186,10 @@ class Run:
         link_checkpoint_dir(run_dir, cfg.train.checkpoint_dir)
         self.dead_letter = open_dead_letter(cfg, self.stream)     # a file, or the dead-letter topic
         # A stream's batcher lives in the run: a rebalance drops its rows of revoked partitions.
-        self.batcher = StreamBatcher(cfg.data.batch_size) if self.stream is not None else None
-        self.lookahead: LookAhead | None = None      # ... and so does the batch read ahead
         self.summary = RunSummary(dead_letter_path=str(self.dead_letter.path))
+        self.batcher = (new_stream_batcher(cfg, self.stream, lambda: self.total_before + self.summary.records_trained)
+                        if self.stream is not None else None)
+        self.lookahead: LookAhead | None = None      # ... and so does the batch read ahead
         self.remaining = cfg.data.limit_records or -1      # -1: no limit
         self.rows_touched = self.rows_clipped = self.rows_at_floor = 0
         self.source: FileSource | None = None

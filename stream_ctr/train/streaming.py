@@ -6,6 +6,9 @@
 - `stream_batches`: the micro-batch iterator of a stream: it ends on a stop
   signal (pending rows stay untrained and are read again after a restart:
   no checkpoint covers them), on `--stop-when-idle`, or at the record limit;
+  with `kafka.deterministic_batches` it hands over to
+  `offset_batches.offset_ordered_batches` (batches a function of offsets);
+- `new_stream_batcher`: the batcher a run's flags ask for;
 - `open_kafka_source` / `open_dead_letter`: the source and the dead-letter
   sink of a run, wired to its checkpoints (see `revoke_hook`).
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.dead_letter import DeadLetterFile
@@ -26,6 +29,7 @@ from stream_ctr.connectors.schema import Schema, parse_schema
 from stream_ctr.connectors.kafka.options import KafkaUrl, is_kafka_url, parse_kafka_url
 from stream_ctr.connectors.kafka.positions import filter_partitions
 from stream_ctr.train.batcher import MicroBatcher
+from stream_ctr.train.offset_batches import JOURNAL_NAME, CutJournal, OffsetOrderBatcher, offset_ordered_batches
 from stream_ctr.config import Config, ConfigError
 
 if TYPE_CHECKING:
@@ -74,11 +78,26 @@ class StreamBatcher(MicroBatcher):
         return before - self._rows
 
 
-def stream_batches(source: "KafkaSource", batcher: StreamBatcher, dead_letter,
+def new_stream_batcher(cfg: Config, url: KafkaUrl, trained_records: Callable[[], int]
+                       ) -> StreamBatcher | OffsetOrderBatcher:
+    """The batcher of a stream run: by fetch order (default), or by offsets alone with
+    `kafka.deterministic_batches` (its cut journal in the run directory).
+    `trained_records` counts the records in the model (a resume's included)."""
+    if not url.options.deterministic_batches:
+        return StreamBatcher(cfg.data.batch_size)
+    journal = CutJournal(Path(cfg.train.run_dir) / JOURNAL_NAME, trained_records())
+    return OffsetOrderBatcher(cfg.data.batch_size, journal, trained_records)
+
+
+def stream_batches(source: "KafkaSource", batcher: StreamBatcher | OffsetOrderBatcher, dead_letter,
                    limit_records: int, max_delay_s: float, stop: "StopSignal",
                    monitor=None) -> Iterator[Batch]:
     """Micro-batches of a stream; at most `limit_records` rows when it is >= 0.
     Each read is reported to `monitor` (as `micro_batches` does)."""
+    if isinstance(batcher, OffsetOrderBatcher):
+        yield from offset_ordered_batches(source, batcher, dead_letter, limit_records, max_delay_s,
+                                          stop, monitor)
+        return
     emitted = 0
     while not source.exhausted and not stop.requested:
         t0 = time.perf_counter()
