@@ -11,11 +11,17 @@
     server     `stream-ctr serve`: stdlib ThreadingHTTPServer front end (aiohttp for comparison)
     export     a checkpoint (in-memory table, or tiered rows in LMDB read generation-exact
                in chunks) -> a bundle
+    table      the rows a scorer reads: a full bundle's memory-mapped table under the rows
+               deltas replaced since
+    published  the publish directory's contract: versions, the index (full snapshot + chain
+               of deltas), atomic replacement
+    publisher  `train --publish`: a full snapshot, then deltas, after durable checkpoints
+    follower   `serve --follow`: applies new versions to a running predictor (brief-lock swap)
     commands   the `export`, `predict` and `serve` subcommands (argument parsing, summaries)
 
 bundle, scorer and export may import store, models, config, connectors and ops
 (and torch, numpy), never train, distributed, bench or cli: scoring must not need
-the trainer. The package sits below train (a trainer may publish bundles later);
+the trainer. The package sits below train (the train loop calls the publisher);
 `commands` alone sits above it, beside bench (tests/import_graph.py), because it
 reads checkpoints and reports AUC with the trainer's metric code.
 """

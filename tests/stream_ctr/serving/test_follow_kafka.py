@@ -1,0 +1,169 @@
+"""Must-show: a predict server follows a trainer reading a real broker, through a SIGKILL.
+
+The bundled Criteo sample is produced into a 2-partition topic of the test broker
+(tansu) in packed messages over ~30 s. `stream-ctr train URL --resume DIR
+--publish PUB --publish-every-s 1` runs as a subprocess; once it has published,
+`stream-ctr serve --follow PUB` starts as another. A watcher asks the server for
+predictions all along. The trainer is SIGKILLed mid-stream and the same command
+line restarted; it trains the rest and exits when the topic is idle.
+
+Shown: the served version advances while records keep arriving; no answer ever
+comes from a model older (fewer steps) than one answered before -- a rolled-back
+model was never served; at the end the server answers exactly as a bundle
+exported from the final checkpoint does.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from stream_ctr.connectors.decode import decode_lines
+from stream_ctr.connectors.formats import CRITEO
+from stream_ctr.serving.bundle import read_bundle
+from stream_ctr.serving.published import read_index
+from stream_ctr.serving.scorer import Scorer
+from tests.kafka_broker import kafka_set_args
+from tests.stream_ctr.serving.test_serve import request, sample_lines
+
+CLI = [sys.executable, "-m", "stream_ctr"]
+PACKED = 50                     # lines per Kafka message
+CHUNKS = 30                     # produced one every PRODUCE_EVERY_S
+PRODUCE_EVERY_S = 1.0
+
+
+def wait_for(what: str, check, timeout_s: float = 180.0, procs: tuple = ()) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        for p in procs:
+            assert p.poll() is None, f"{what}: a process exited with {p.returncode}: {p.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"{what}: not after {timeout_s} s"
+        time.sleep(0.1)
+
+
+def parse_version(model_version: str) -> tuple[int, int]:
+    """"v12:ckpt-00000120@120" -> (12, 120)."""
+    head, _, step = model_version.partition("@")
+    return int(head.split(":")[0][1:]), int(step)
+
+
+class Watcher(threading.Thread):
+    """Posts a few records to the server every 0.1 s; keeps (time, version, step) of each answer."""
+
+    def __init__(self, port: int, body: bytes) -> None:
+        super().__init__(daemon=True)
+        self.port, self.body = port, body
+        self.answers: list[tuple[float, int, int]] = []
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            status, out = request(self.port, "POST", "/predict", self.body)
+            if status != 200:
+                self.errors.append(out.decode()[:300])
+            else:
+                self.answers.append((time.time(), *parse_version(json.loads(out)["model_version"])))
+            self.stop.wait(0.1)
+
+
+def test_a_server_follows_a_kafka_trainer_through_a_sigkill(kafka, tmp_path):
+    lines = sample_lines()
+    topic = kafka.topic(partitions=2)
+    messages = [b"\n".join(lines[i:i + PACKED]) for i in range(0, len(lines), PACKED)]
+    per_chunk = -(-len(messages) // CHUNKS)
+    produced_all_at: list[float] = []
+
+    def produce() -> None:
+        for c in range(CHUNKS):
+            chunk = messages[c * per_chunk:(c + 1) * per_chunk]
+            kafka.produce(topic, chunk, [i % 2 for i in range(len(chunk))])
+            time.sleep(PRODUCE_EVERY_S)
+        produced_all_at.append(time.time())
+
+    run_dir, pub = tmp_path / "run", tmp_path / "pub"
+    command = CLI + ["train", kafka.url(topic, "follow"), "--resume", str(run_dir), "--batch-size", "256",
+                     "--publish", str(pub), "--publish-every-s", "1", "--stop-when-idle", "8",
+                     "--threads", "1", "--set", "model.mlp_dims=32,32", "--set", "data.max_batch_delay_s=0.5",
+                     "--json", "--quiet", *kafka_set_args()]
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = watcher = second = None
+    try:
+        wait_for("the first version", lambda: (pub / "PUBLISHED.json").exists(), procs=(first,))
+        server = subprocess.Popen(CLI + ["serve", "--follow", str(pub), "--port", "0", "--follow-poll-s", "0.2"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = server.stdout.readline()
+        assert line.startswith("serving v"), (line, server.stderr.read() if server.poll() is not None else "")
+        port = int(line.split("http://127.0.0.1:")[1].split()[0])
+        watcher = Watcher(port, b"\n".join(lines[:20]) + b"\n")
+        watcher.start()
+
+        # Mid-stream, once the server has answered with two versions: SIGKILL, and the same
+        # command line again.
+        wait_for("two versions served", lambda: len({v for _, v, _ in watcher.answers}) >= 2,
+                 procs=(first, server))
+        assert producer.is_alive(), "the whole topic was produced before the server saw two versions"
+        time.sleep(0.7)                         # into training after the last publish
+        first.send_signal(signal.SIGKILL)
+        first.communicate(timeout=60)
+        killed_at, published_before_kill = time.time(), read_index(pub).latest
+        second = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert second.returncode == 0, second.stderr[-3000:]
+        summary = json.loads(second.stdout.strip().splitlines()[-1])
+        assert summary["records_trained_total"] == len(lines)
+        latest = read_index(pub).latest
+        wait_for("the server on the last version",
+                 lambda: watcher.answers and watcher.answers[-1][1] == latest, timeout_s=60, procs=(server,))
+        watcher.stop.set()
+        watcher.join(30)
+
+        # The final checkpoint's export answers exactly as the server does.
+        final = tmp_path / "final"
+        assert subprocess.run(CLI + ["export", str(run_dir), "--out", str(final), "--quiet"],
+                              capture_output=True, timeout=300).returncode == 0
+        body = b"\n".join(lines[:2000]) + b"\n"
+        status, out = request(port, "POST", "/predict", body)
+        assert status == 200
+        served = np.array(json.loads(out)["probabilities"], np.float32)
+        batch = decode_lines(body, CRITEO, "t", 0)[0]
+        assert np.array_equal(served, Scorer(read_bundle(final)).score(batch))
+        assert read_bundle(final).manifest["checkpoint"]["step"] == parse_version(
+            json.loads(out)["model_version"])[1]
+
+        status, text = request(port, "GET", "/metrics")
+        samples = {s.name: s for f in text_string_to_metric_families(text.decode()) for s in f.samples}
+        assert samples["stream_ctr_serving_model_published_version"].value == latest
+        assert samples['stream_ctr_serving_update_apply_seconds_count'].value >= 2
+        assert 0 < samples["stream_ctr_serving_freshness_seconds"].value < 120
+    finally:
+        for p in (first, server):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM if p is server else signal.SIGKILL)
+                p.communicate(timeout=60)
+        if watcher is not None:
+            watcher.stop.set()
+    producer.join(60)
+
+    answers = watcher.answers
+    assert not watcher.errors, watcher.errors[:3]
+    versions = [v for _, v, _ in answers]
+    steps = [s for _, _, s in answers]
+    # Never a rolled-back model: versions only go up, and so does the step of the model answering
+    # (the resumed run's first version is the checkpoint it resumed from, at or past every one
+    # published before the kill).
+    seen = sorted({(v, s) for _, v, s in answers})
+    assert versions == sorted(versions) and steps == sorted(steps), seen
+    assert versions[0] <= published_before_kill < versions[-1], (published_before_kill, seen)
+    # The served version advanced while records were still being produced.
+    while_arriving = {v for t, v, _ in answers if t < produced_all_at[0]}
+    assert len(while_arriving) >= 2, (while_arriving, seen)
+    assert any(t > killed_at for t, _, _ in answers)
