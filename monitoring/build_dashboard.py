@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "grafana" / "dashboards" / "stream_ctr.json"
-S = '{job=~"$job", rank=~"$rank"}'          # the selector every panel uses
+S = '{job=~"$job", rank=~"$rank"}'          # the selector every trainer panel uses
+J = '{job=~"$job"}'                         # ... and every predict-server panel (no ranks)
 RI = "[$__rate_interval]"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 NONFINITE = '{job=~"$job", rank=~"$rank", reason="nonfinite"}'
@@ -104,6 +105,21 @@ def rows() -> list[tuple[str, list[dict]]]:
             panel("stat", "Newest trained event time", [
                 (f"max(stream_ctr_last_trained_event_timestamp_seconds{S}) * 1000", "event time")],
                 "dateTimeAsIso", w=4, description="Where in the stream the model is (useful in replays)."),
+            panel("timeseries", "Serving freshness: record -> answering model (predict servers)", [
+                (f"max by (instance) (stream_ctr_serving_freshness_seconds{J})", "from arrival {{instance}}"),
+                (f"max by (instance) (stream_ctr_serving_event_freshness_seconds{J})",
+                 "from event time {{instance}}"),
+                (f"max by (instance) (stream_ctr_serving_model_age_seconds{J})", "model age {{instance}}")],
+                "s", w=12, description="`stream-ctr serve --follow` of a `train --publish` run: from "
+                "the newest trained record's arrival at the trainer (and its event time) to when the "
+                "server began answering with a model trained on it; model age: since its checkpoint."),
+            panel("timeseries", "Served published version", [
+                (f"max by (instance) (stream_ctr_serving_model_published_version{J})", "{{instance}}")],
+                "short", w=6, description="Goes up with every version a following server applies."),
+            panel("timeseries", "Update apply time p90", [
+                (f"histogram_quantile(0.9, sum by (instance, le) "
+                 f"(rate(stream_ctr_serving_update_apply_seconds_bucket{J}{RI})))", "{{instance}}")],
+                "s", w=6, description="Reading and applying one published update, up to the swap."),
         ]),
         ("Embedding tiers", [
             panel("timeseries", "Rows per tier", [

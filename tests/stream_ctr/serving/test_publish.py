@@ -220,3 +220,38 @@ def test_one_publisher_per_directory_and_leftovers_of_a_crash_are_cleaned(runs, 
 def test_serve_follow_without_anything_published_says_so(tmp_path, capsys):
     assert main(["serve", "--follow", str(tmp_path), "--port", "0"]) != 0
     assert "nothing is published there yet" in capsys.readouterr().err
+
+
+def test_the_dashboards_serving_panels_and_alert_read_a_following_server(runs, tmp_path, prometheus_server):
+    """A real Prometheus scrapes a server that follows the memory run's chain: every serving
+    panel's expression returns data (event-time freshness aside: Criteo has no event time),
+    and the freshness alert evaluates healthy without firing."""
+    from tests.monitoring.test_prometheus import ALERTS, DASHBOARD
+    from tests.prometheus_server import alert_rules, dashboard_panels, grafana_to_promql, metric_names
+    _, mem, _ = runs
+    server = Server(Scorer(read_bundle(initial_bundle(mem.serving.publish))), port=0).start()
+    follower = Follower(mem.serving.publish, server.predictor)
+    try:
+        assert follower.poll()
+        prom = prometheus_server({"stream_ctr": [f"127.0.0.1:{server.port}"]}, rule_files=[ALERTS])
+        prom.wait_for("three scrapes of the server", lambda: prom.query(
+            "count_over_time(stream_ctr_serving_model_published_version[1m])") and float(prom.query(
+                "count_over_time(stream_ctr_serving_model_published_version[1m])")[0]["value"][1]) >= 3)
+        serving = [p for p in dashboard_panels(DASHBOARD)
+                   if any("stream_ctr_serving_" in t["expr"] for t in p["targets"])]
+        assert len(serving) == 3
+        for p in serving:
+            for t in p["targets"]:
+                result = prom.query(grafana_to_promql(t["expr"]).replace("$job", "stream_ctr"))
+                empty_ok = metric_names(t["expr"]) == {"stream_ctr_serving_event_freshness_seconds"}
+                assert result or empty_ok, (p["title"], t["expr"])
+        assert float(prom.query("stream_ctr_serving_model_published_version")[0]["value"][1]) == 6
+        rule = next(r for r in alert_rules(ALERTS) if r["alert"] == "StreamCtrServingNotFresh")
+        prom.query(rule["expr"])
+        prom.wait_for("the alert rules evaluated", lambda: all(
+            r.get("lastEvaluation", "").startswith("20") for g in prom.api("rules")["groups"] for r in g["rules"]))
+        rules = {r["name"]: r for g in prom.api("rules")["groups"] for r in g["rules"]}
+        assert rules["StreamCtrServingNotFresh"]["health"] == "ok"
+        assert rules["StreamCtrServingNotFresh"]["state"] == "inactive"
+    finally:
+        server.close()
