@@ -111,17 +111,20 @@ class Trainer:
     @torch.no_grad()
     def _update_average(self) -> None:
         """Move the average toward the live weights after update t (1, 2, ...) by
-        max(1 - exp(-batch / average_dense_samples), 2 / (t + 1)): an exponential
-        average whose horizon is a number of samples whatever the batch (at a batch
-        >= the horizon it is ~the live model), started as polynomial-decay averaging
-        (Shamir & Zhang 2013) so that the first, untrained weights are forgotten fast
-        (the first update copies the live weights)."""
+        max(1 - exp(-batch / average_dense_samples), 1 / t): an exponential average
+        whose horizon is a number of samples whatever the batch (at a batch >= the
+        horizon it is ~the live model), started as the plain mean of the weights
+        after each update so far (Polyak-Ruppert; the first update copies the live
+        weights).  The mean rules only while 1/t is the larger weight, the first
+        ~horizon/batch updates; on a run that short (the bundled samples: ~200
+        steps of 64) it beat the polynomial-decay start 2/(t+1) on 10 of 10
+        paired seeds (Criteo sample +0.09 AUC points on average, BENCHMARKS.md)."""
         if self.average_model is None:
             return
         self.average_updates += 1
         t = self.average_updates
         weight = max(1.0 - math.exp(-self.optim.batch_size / self.cfg.train.average_dense_samples),
-                     2.0 / (t + 1))
+                     1.0 / t)
         torch._foreach_lerp_(list(self.average_model.parameters()), list(self.model.parameters()), weight)
 
     @property

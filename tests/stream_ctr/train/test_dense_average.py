@@ -16,7 +16,7 @@ def _trainer(tmp_path, horizon_samples: int, batch) -> Trainer:
     return Trainer(cfg, batch.n_fields, batch.n_dense)
 
 
-def test_the_average_starts_polynomial_and_becomes_exponential(tmp_path):
+def test_the_average_starts_as_the_mean_and_becomes_exponential(tmp_path):
     batches = criteo_batches(6, tmp=tmp_path)
     horizon = 3 * len(batches[0])
     trainer = _trainer(tmp_path, horizon, batches[0])
@@ -25,7 +25,7 @@ def test_the_average_starts_polynomial_and_becomes_exponential(tmp_path):
     for t, b in enumerate(batches, start=1):
         trainer.train_step(b)
         live = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        weight = max(ema_weight, 2 / (t + 1))      # 1 (a copy), 2/3, 1/2, 2/5, 1/3, then 0.28
+        weight = max(ema_weight, 1 / t)            # 1 (a copy), 1/2, 1/3, then 0.28
         expected = {n: expected[n] + weight * (live[n] - expected[n]) if expected else live[n] for n in live}
     assert trainer.average_updates == len(batches)
     got = dict(trainer.eval_model.named_parameters())
