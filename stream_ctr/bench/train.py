@@ -158,10 +158,31 @@ def _worker(path: str, model: str, batch_size: int, threads: int, precision: str
                "peak_rss_mb": peak_rss_mb})
 
 
+def _in_process(ctx, target, *args) -> dict:
+    """Run `target(*args, queue)` in a fresh process (its own peak RSS, its own torch state)."""
+    queue = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, queue))
+    proc.start()
+    row = queue.get()
+    proc.join()
+    return row
+
+
 def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
                 data: str | None = None, threads: int = 0, show_progress: bool = True,
-                precision: str = "auto", read_ahead: int = 2, compile_model: bool = False) -> list[dict]:
+                precision: str = "auto", read_ahead: int = 2, compile_model: bool = False,
+                peer: str | None = None, repeats: int = 1) -> list[dict]:
+    """One row per batch size and repeat.  With `peer="deepctr"` each of our runs is
+    followed by deepctr-torch's DeepFM on the same rows (bench/peer.py), so the pair is
+    measured in the same minute (A, B, A, B with repeats >= 2) and the row carries the
+    ratio: on a shared machine only such ratios compare."""
+    import sys
     from stream_ctr.connectors.synth import write_synthetic_criteo
+    if peer not in (None, "deepctr"):
+        raise ValueError(f"bench train --peer: only 'deepctr' is known, got {peer!r}")
+    if peer:
+        from stream_ctr.bench.peer import check_installed
+        check_installed()                    # fail before generating data if it is not installed
     tmp = None
     if data is None:
         tmp = tempfile.TemporaryDirectory(prefix="stream_ctr_bench_")
@@ -171,16 +192,24 @@ def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
     rows = []
     try:
         for bs in batch_sizes:
-            queue = ctx.Queue()
-            proc = ctx.Process(target=_worker, args=(data, model, bs, threads, precision, read_ahead,
-                                                       compile_model, queue))
-            proc.start()
-            row = queue.get()
-            proc.join()
-            rows.append(row)
-            if show_progress:
-                print(f"bench train: batch {bs:,}: {row['samples_per_s_excl_decode']:,.0f} samples/s "
-                      f"(excl. decode)", flush=True, file=__import__("sys").stderr)
+            for _ in range(max(1, repeats)):
+                row = _in_process(ctx, _worker, data, model, bs, threads, precision, read_ahead,
+                                  compile_model)
+                if peer:
+                    from stream_ctr.bench.peer import _peer_worker
+                    other = _in_process(ctx, _peer_worker, data, bs, threads)
+                    if "error" in other:
+                        from stream_ctr.config import ConfigError
+                        raise ConfigError(other["error"])
+                    row["peer"] = other["peer"]
+                    row["peer_samples_per_s"] = other["samples_per_s"]
+                    row["vs_peer_excl_decode"] = row["samples_per_s_excl_decode"] / other["samples_per_s"]
+                    row["vs_peer_incl_decode"] = row["samples_per_s_incl_decode"] / other["samples_per_s"]
+                rows.append(row)
+                if show_progress:
+                    extra = (f"; {row['peer']} {row['peer_samples_per_s']:,.0f}" if peer else "")
+                    print(f"bench train: batch {bs:,}: {row['samples_per_s_excl_decode']:,.0f} samples/s "
+                          f"(excl. decode){extra}", flush=True, file=sys.stderr)
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -197,6 +226,10 @@ def format_table(rows: list[dict]) -> str:
             ("bare_mlp_fp32_samples_per_s", "bare MLP fp32/s", "{:,.0f}"),
             ("bare_mlp_bf16_samples_per_s", "bare MLP bf16/s", "{:,.0f}"),
             ("vs_bare_fp32", "incl. decode vs bare fp32", "{:.2f}x")]
+    if rows and "peer" in rows[0]:
+        cols += [("peer_samples_per_s", f"{rows[0]['peer']}/s", "{:,.0f}"),
+                 ("vs_peer_excl_decode", "excl. decode vs peer", "{:.2f}x"),
+                 ("vs_peer_incl_decode", "incl. decode vs peer", "{:.2f}x")]
     table = [[title for _, title, _ in cols]]
     table += [[fmt.format(r[key]) for key, _, fmt in cols] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]

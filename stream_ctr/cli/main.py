@@ -211,6 +211,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="data.read_ahead_chunks of the decode-included run (0: decode on the training thread)")
     b.add_argument("--compile", action="store_true",
                    help="train.compile: the dense model through torch.compile (compiled before timing)")
+    b.add_argument("--peer", choices=["deepctr"],
+                   help="after each run, deepctr-torch's DeepFM on the same rows in its own process "
+                        "(pip install deepctr-torch==0.3.0 scikit-learn); prints the ratio")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="runs per batch size (with --peer: ours, peer, ours, peer, ...)")
     _add_common(b)
     b.set_defaults(func=cmd_bench_train)
     from stream_ctr.cli.kafka import add_bench_ingest_parser
@@ -397,7 +402,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     rows = bench_train(args.records, [int(x) for x in args.batch_sizes.split(",")],
                        args.model, args.data, args.threads, show_progress=not args.quiet,
                        precision=args.precision, read_ahead=args.read_ahead,
-                       compile_model=args.compile)
+                       compile_model=args.compile, peer=args.peer, repeats=args.repeats)
     if not args.json:
         print(format_table(rows))
     emit(args, {"bench": "train", "rows": rows}, f"bench train: {len(rows)} configurations measured")
