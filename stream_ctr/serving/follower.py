@@ -85,6 +85,8 @@ class Follower:
             if index is None or index.latest == self.version:
                 return False
             kind, scorer = self._build(index)
+            apply_s = time.perf_counter() - t0
+            self.predictor.swap(scorer)     # ValueError: a model of other records
         except (BundleError, OSError, ValueError) as e:      # retried at the next poll
             self.metrics.failures.inc()
             if str(e) != self.last_error:                    # say it once, not every poll
@@ -92,8 +94,6 @@ class Follower:
                       f"{self.predictor.model().version}", file=sys.stderr, flush=True)
             self.last_error = str(e)
             return False
-        apply_s = time.perf_counter() - t0
-        self.predictor.swap(scorer)
         self.last_error = ""
         self.metrics.apply_seconds.observe(apply_s)
         self.metrics.updates.labels(kind).inc()

@@ -255,3 +255,25 @@ def test_the_dashboards_serving_panels_and_alert_read_a_following_server(runs, t
         assert rules["StreamCtrServingNotFresh"]["state"] == "inactive"
     finally:
         server.close()
+
+
+def test_a_published_model_of_other_records_is_refused_and_the_server_goes_on(runs, tmp_path):
+    """Following a directory an Avazu run publishes into, with a Criteo model answering: the
+    swap is refused, a failure counted and said once, the Criteo model keeps answering."""
+    tmp, _, _ = runs
+    cfg = small_config(tmp_path / "avazu", tiered=False)
+    cfg.data.source = "avazu:sample"
+    cfg.data.limit_records = 10 * BATCH
+    cfg.serving.publish = str(tmp_path / "pub")
+    train(cfg, show_progress=False)
+    predictor = Predictor(Scorer(read_bundle(tmp / "final")))
+    follower = Follower(cfg.serving.publish, predictor)
+    try:
+        assert not follower.poll() and not follower.poll()
+        assert "takes other records" in follower.last_error
+        assert follower.metrics.failures._value.get() == 2
+        assert predictor.model().published_version is None
+        status, _ = predictor.predict(sample_lines()[0])
+        assert status == 200
+    finally:
+        predictor.close()
