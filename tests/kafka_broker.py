@@ -3,6 +3,9 @@
 Fixtures
   kafka_broker      one broker for the whole session (memory storage);
   fresh_broker      a broker of the test's own, for tests that stop/restart it;
+  durable_broker    a broker of the test's own on s3:// storage (s3rver, `local_s3`):
+                    `restart()` (or stop(kill=True) + start()) keeps topics, records and
+                    committed offsets, as a real broker's restart does;
   kafka             helpers bound to the session broker: unique topics, producing,
                     committed offsets, reading a topic back.
   kafka_client      parametrizes a test over both consumer clients (kafka-python and
@@ -22,6 +25,7 @@ import pytest
 
 from stream_ctr.connectors.kafka.options import KafkaOptions, parse_kafka_url
 from stream_ctr.connectors.kafka.local_broker import LocalBroker
+from stream_ctr.connectors.kafka.local_s3 import LocalS3
 
 TEST_KAFKA = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000, "connect_timeout_s": 10.0,
               "reconnect_backoff_max_s": 1.0, "commit_timeout_s": 10.0}
@@ -127,6 +131,15 @@ def fresh_broker(tmp_path):
     broker.start()
     yield broker
     broker.stop()
+
+
+@pytest.fixture
+def durable_broker(tmp_path):
+    with LocalS3(tmp_path / "s3" / "data") as s3:
+        broker = LocalBroker(log_dir=tmp_path / "s3" / "tansu", s3=s3)
+        broker.start()
+        yield broker
+        broker.stop()
 
 
 @pytest.fixture

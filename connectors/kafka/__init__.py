@@ -10,6 +10,7 @@
     sink          producers: dead letters, topic creation
     replay        a file replayed into a topic in event order
     local_broker  the tansu broker binary started on 127.0.0.1 (tests, benches)
+    local_s3      s3rver on 127.0.0.1: the storage that keeps tansu's data across restarts
 
 May import the other connectors modules; never the rest of stream_ctr.
 """
