@@ -301,9 +301,12 @@ def offset_ordered_batches(source: "KafkaSource", batcher: OffsetOrderBatcher, d
         if size <= 0:
             return
         batch = batcher.planned(size)
-        if batch is None and batcher.pending_rows and not batcher.waiting_for_journal() \
-                and batcher.oldest_wait_s() >= max_delay_s:
-            batch = batcher.cut(size)           # the latency budget is spent: train what is there
+        if batch is None and batcher.pending_rows and not batcher.waiting_for_journal() and (
+                # every row up to the limit is here: the last batch of the run is cut from them
+                0 <= limit_records <= emitted + batcher.pending_rows
+                # the latency budget is spent: train what is there
+                or batcher.oldest_wait_s() >= max_delay_s):
+            batch = batcher.cut(size)
         if batch is not None:
             emitted += len(batch)
             yield batch
