@@ -194,7 +194,7 @@ class MetricsConfig:
 @dataclass
 class ServingConfig:
     # Publish the model for predict servers while training (stream_ctr/serving/publisher.py):
-    # a directory that `stream-ctr serve --follow` reads; "" = off. Each invocation's first
+    # a directory, or kafka://HOST:PORT/TOPIC, that `stream-ctr serve --follow` reads; "" = off. Each invocation's first
     # publish is a full snapshot, every later one a delta (rows touched since the last one +
     # the dense weights), each right after a durable checkpoint.
     publish: str = ""
@@ -437,8 +437,6 @@ def validate(cfg: Config) -> Config:
         (cfg.serving.publish_every_s >= 0,
          f"serving.publish_every_s must be >= 0 (0: publish at checkpoints only), got {cfg.serving.publish_every_s}"),
         (cfg.serving.full_every >= 0, f"serving.full_every must be >= 0 (0: deltas only), got {cfg.serving.full_every}"),
-        (not cfg.serving.publish.lower().startswith("kafka://"),
-         "serving.publish (--publish) takes a directory; publishing to a Kafka topic is not built yet"),
         (cfg.distributed.merge_every_k_steps >= 1,
          f"distributed.merge_every_k_steps must be >= 1, got {cfg.distributed.merge_every_k_steps}"),
         (cfg.distributed.timeout_s > 0, f"distributed.timeout_s must be > 0, got {cfg.distributed.timeout_s}"),

@@ -126,9 +126,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-addr", default=_env("STREAM_CTR_METRICS_ADDR"),
                    help="metrics.addr: address the metrics endpoint binds (default 127.0.0.1; "
                    "0.0.0.0 for remote scrapers) [env STREAM_CTR_METRICS_ADDR]")
-    p.add_argument("--publish", metavar="DIR", help="serving.publish: publish the model into DIR "
-                   "after every checkpoint (a full snapshot first, then deltas: the rows trained "
-                   "since, and the dense weights) for `stream-ctr serve --follow DIR`")
+    p.add_argument("--publish", metavar="DIR|kafka://HOST:PORT/TOPIC", help="serving.publish: publish "
+                   "the model into DIR (or through a Kafka topic) after every checkpoint (a full "
+                   "snapshot first, then deltas: the rows trained since, and the dense weights) for "
+                   "`stream-ctr serve --follow`")
     p.add_argument("--publish-every-s", type=float, metavar="SECONDS", help="serving.publish_every_s: "
                    "checkpoint and publish at least this often (default: at checkpoints only)")
     p.add_argument("--distributed", action="store_true",

@@ -17,6 +17,7 @@ from stream_ctr.connectors.files import SourceError, count_records, detect_forma
 from stream_ctr.serving.bundle import read_bundle
 from stream_ctr.serving.export import checkpoint_record, export_bundle
 from stream_ctr.serving.follower import Follower, initial_bundle
+from stream_ctr.serving.kafka_publish import KafkaMirror, is_kafka_target
 from stream_ctr.serving.scorer import PRECISIONS, Scorer, score_file
 from stream_ctr.serving.server import HTTP_STACKS, Server
 
@@ -83,8 +84,12 @@ def add_serving_parsers(sub: argparse._SubParsersAction, add_common) -> None:
                    "directory (train --publish: its newest version); default with --follow: the "
                    "followed directory")
     s.add_argument("--port", type=int, required=True, help="TCP port (0: any free one)")
-    s.add_argument("--follow", metavar="DIR", help="apply what `stream-ctr train --publish DIR` "
-                   "publishes (full snapshots and deltas) while serving, without pausing requests")
+    s.add_argument("--follow", metavar="DIR|kafka://HOST:PORT/TOPIC", help="apply what `stream-ctr "
+                   "train --publish` publishes there (full snapshots and deltas) while serving, "
+                   "without pausing requests")
+    s.add_argument("--follow-wait-s", type=float, default=120.0, metavar="SECONDS",
+                   help="with --follow kafka://...: how long to wait for the topic's first version "
+                   "(default 120)")
     s.add_argument("--follow-poll-s", type=float, default=0.5, metavar="SECONDS",
                    help="how often --follow looks for a new version (default 0.5)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -108,11 +113,13 @@ def add_serving_parsers(sub: argparse._SubParsersAction, add_common) -> None:
 SERVE_EPILOG = """examples:
   stream-ctr serve bundles/ctr-v1 --port 8500
   stream-ctr serve --follow published/ --port 8500        # beside: stream-ctr train ... --publish published/
+  stream-ctr serve --follow kafka://127.0.0.1:9092/ctr-model --port 8500   # ... --publish kafka://...
   curl -s --data-binary @lines.tsv 127.0.0.1:8500/predict      # Criteo TSV lines, label column ignored
   curl -s -H 'Content-Type: application/json' -d '["0\\t1\\t...", "..."]' 127.0.0.1:8500/predict"""
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import shutil
     import signal
     import sys
     import torch
@@ -123,9 +130,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           "directory to follow (--follow DIR)")
     if args.follow_poll_s <= 0:
         raise ConfigError(f"--follow-poll-s must be > 0, got {args.follow_poll_s}")
+    mirror, follow_spec = None, args.follow
+    if is_kafka_target(args.follow):    # the topic rebuilt as a local publish directory
+        import tempfile
+        import time
+        mirror = KafkaMirror(args.follow, tempfile.mkdtemp(prefix="stream-ctr-follow-")).start()
+        deadline = time.monotonic() + args.follow_wait_s
+        while not (mirror.root / "PUBLISHED.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        args.follow = str(mirror.root)
     source = args.bundle or args.follow
     if args.follow and not (Path(args.follow) / "PUBLISHED.json").exists() and args.bundle is None:
-        raise ConfigError(f"--follow {args.follow}: nothing is published there yet (no PUBLISHED.json); "
+        if mirror is not None:
+            mirror.close()
+        raise ConfigError(f"--follow {follow_spec}: nothing is published there yet (no PUBLISHED.json); "
                           "start the trainer with --publish first, or name a bundle to serve meanwhile")
     scorer = Scorer(read_bundle(initial_bundle(source)), args.device, args.precision)
     server = Server(scorer, args.host, args.port, http=args.http, coalesce=not args.no_coalesce,
@@ -141,11 +159,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def close() -> None:
         if follower is not None and args.follow:
             follower.close()
+        if mirror is not None:
+            mirror.close()
+            shutil.rmtree(mirror.root, ignore_errors=True)
         server.close()
     server.start()
     signal.signal(signal.SIGTERM, lambda *_: close())
     # One line a supervisor (or a test) can wait for: where it listens, which model answers.
-    following = f"; following {args.follow}" if args.follow else ""
+    following = f"; following {follow_spec}" if follow_spec else ""
     print(f"serving {server.predictor.model().version} on http://{server.host}:{server.port} "
           f"(POST /predict, GET /healthz, GET /metrics; {args.http}{following})", flush=True, file=sys.stdout)
     try:

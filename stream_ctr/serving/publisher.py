@@ -24,6 +24,9 @@ a tiered store's look-ahead, before the batch ahead of it is read). Each
 version carries the newest such time, and the newest event time, of the records
 it trained on that its base did not.
 
+With `--publish kafka://HOST:PORT/TOPIC` the versions are written into
+RUN_DIR/published as above and then sent to the topic (kafka_publish.py).
+
 Costs: one `torch.unique` of each batch's keys on the training thread (the
 touched set, compacted when it grows), and a checkpoint + a write of the
 touched rows per publish. One publisher per directory (an flock).
@@ -47,6 +50,7 @@ from stream_ctr.connectors.formats import RecordFormat
 from stream_ctr.connectors.schema import Schema
 from stream_ctr.models.field_inputs import batch_keys
 from stream_ctr.serving.bundle import BundleError, BundleWriter
+from stream_ctr.serving.kafka_publish import KafkaSink, is_kafka_target
 from stream_ctr.serving.export import CHUNK_ROWS, bundle_manifest, dense_weights, export_bundle
 from stream_ctr.serving.published import (PublishInfo, PublishedIndex, read_index, version_dir,
                                           version_dirs, write_index)
@@ -60,8 +64,10 @@ COMPACT_KEYS = 1 << 22          # touched keys held uncompacted before one torch
 class Publisher:
     """Publishes a run's model into `root` (a directory) after its checkpoints."""
 
-    def __init__(self, root: str | Path, cfg: Config, fmt: RecordFormat | Schema) -> None:
-        self.root = Path(root)
+    def __init__(self, root: str | Path, cfg: Config, fmt: RecordFormat | Schema,
+                 sink: "KafkaSink | None" = None) -> None:
+        """`sink`: also send every version to a Kafka topic (kafka_publish.py)."""
+        self.root, self.sink = Path(root), sink
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._lock = open(self.root / ".publisher.lock", "w")
@@ -135,6 +141,12 @@ class Publisher:
             return None
         self._touched, self._touched_count = [], 0
         self._newest_arrival_s = self._newest_event_ms = None
+        if self.sink is not None:
+            try:
+                self.sink.send(self.root, self.index)
+            except OSError as e:
+                print(f"stream-ctr: warning: {e}; training goes on, the next publish sends what the "
+                      "topic lacks", file=sys.stderr, flush=True)
         return info
 
     def _write(self, tensors: dict[str, Any], checkpoint: dict[str, Any], precision: str,
@@ -186,6 +198,8 @@ class Publisher:
                 shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
         self._lock.close()              # releases the flock
 
 
@@ -196,6 +210,9 @@ def open_publisher(cfg: Config, fmt: RecordFormat | Schema) -> Publisher | None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:      # a rank of a torchrun job
         raise ConfigError("--publish (serving.publish) needs a single-process run: a distributed "
                           "job's rows are sharded over its ranks, and publishing them is not built yet")
+    if is_kafka_target(cfg.serving.publish):            # staged in the run directory, then sent
+        sink = KafkaSink(cfg.serving.publish)
+        return Publisher(Path(cfg.train.run_dir) / "published", cfg, fmt, sink)
     return Publisher(cfg.serving.publish, cfg, fmt)
 
 

@@ -167,3 +167,52 @@ def test_a_server_follows_a_kafka_trainer_through_a_sigkill(kafka, tmp_path):
     while_arriving = {v for t, v, _ in answers if t < produced_all_at[0]}
     assert len(while_arriving) >= 2, (while_arriving, seen)
     assert any(t > killed_at for t, _, _ in answers)
+
+
+def test_publishing_through_a_kafka_topic(kafka, tmp_path):
+    """`--publish kafka://.../TOPIC`: versions staged in RUN_DIR/published are sent to the topic
+    file by file (parts of at most 512 KiB), then the index; a mirror rebuilds the directory
+    from the topic, and a server following it ends on the final checkpoint's export. The
+    CLI's `serve --follow kafka://...` starts on the newest version."""
+    import uuid
+    from stream_ctr.serving.follower import Follower, initial_bundle
+    from stream_ctr.serving.kafka_publish import KafkaMirror
+    from stream_ctr.serving.predictor import Predictor
+    from stream_ctr.train.loop import train
+    from tests.stream_ctr.store.helpers import BATCH, small_config
+    url = f"kafka://{kafka.bootstrap}/published-{uuid.uuid4().hex[:8]}"
+    cfg = small_config(tmp_path / "run", tiered=False)
+    cfg.train.checkpoint_every_batches = 20
+    cfg.data.limit_records = 60 * BATCH
+    cfg.serving.publish, cfg.serving.full_every = url, 0
+    train(cfg, show_progress=False)
+    staged = read_index(tmp_path / "run" / "published")
+    assert (staged.full, staged.chain) == (1, [2, 3])
+    mirror = KafkaMirror(url, tmp_path / "mirror").start()
+    try:
+        wait_for("the mirrored index", lambda: (tmp_path / "mirror" / "PUBLISHED.json").exists()
+                 and read_index(tmp_path / "mirror").latest == 3, timeout_s=60)
+    finally:
+        mirror.close()
+    for v in (1, 2, 3):                 # the files as the trainer wrote them
+        for name in ("dense.pt", "keys.npy", "rows.npy", "manifest.json"):
+            assert (tmp_path / "mirror" / f"v-{v:08d}" / name).read_bytes() == \
+                (tmp_path / "run" / "published" / f"v-{v:08d}" / name).read_bytes()
+    predictor = Predictor(Scorer(read_bundle(initial_bundle(tmp_path / "mirror"))))
+    try:
+        assert Follower(tmp_path / "mirror", predictor).poll()
+        assert subprocess.run(CLI + ["export", cfg.train.run_dir, "--out", str(tmp_path / "final"), "--quiet"],
+                              capture_output=True, timeout=300).returncode == 0
+        batch = decode_lines(b"\n".join(sample_lines()[:2000]) + b"\n", CRITEO, "t", 0)[0]
+        assert np.array_equal(predictor.current()[0].score(batch), Scorer(read_bundle(tmp_path / "final")).score(batch))
+    finally:
+        predictor.close()
+    server = subprocess.Popen(CLI + ["serve", "--follow", url, "--port", "0"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        line = server.stdout.readline()
+        assert line.startswith("serving v3:ckpt-00000060@60 on http://127.0.0.1:"), \
+            (line, server.stderr.read() if server.poll() is not None else "")
+    finally:
+        server.terminate()
+        server.communicate(timeout=60)
