@@ -20,7 +20,7 @@ PACKAGE_DIRS = {"stream_ctr": "stream_ctr", "connectors": "stream_ctr.connectors
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("stream_ctr.__main__",),
     ("stream_ctr.cli",),
-    ("stream_ctr.bench", "stream_ctr.monitoring", "stream_ctr.serving.commands"),
+    ("stream_ctr.bench", "stream_ctr.monitoring", "stream_ctr.serving.commands", "stream_ctr.chaos"),
     ("stream_ctr.distributed",),
     ("stream_ctr.train",),
     ("stream_ctr.serving",),       # bundles and scoring: below train, so a trainer can publish

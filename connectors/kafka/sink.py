@@ -36,6 +36,11 @@ from stream_ctr.connectors.kafka.options import KafkaUrl, client_config, split_p
 
 log = logging.getLogger("stream_ctr.connectors.kafka")
 RAW_LIMIT_BYTES = 64 << 10        # of a rejected record kept in its dead-letter message
+# The broker no longer knows this (idempotent) producer's sequence numbers -- a broker
+# restart that kept the log but not the producer state (tansu does that): a new
+# producer (a new producer id) sends the records again.
+_PRODUCER_STATE_ERRORS = ("OutOfOrderSequenceNumberError", "UnknownProducerIdError",
+                          "InvalidProducerEpochError")
 
 
 def make_producer(url: KafkaUrl, **settings):
@@ -112,6 +117,7 @@ class KafkaDeadLetter:
         self._retry_max_s = url.options.reconnect_backoff_max_s
         if not topic_partitions(url, topic) and create_topic(url, topic, 1):
             log.info("kafka: created dead-letter topic %s", topic)
+        self._url = url
         self._producer = make_producer(url, acks="all", linger_ms=0)
         self.counts: Counter[str] = Counter()
 
@@ -133,7 +139,15 @@ class KafkaDeadLetter:
                     failed.append((r, e))
             self._producer.flush()
             failed += [(r, future.exception) for r, future in sends if future.failed()]
-            final = [(r, e) for r, e in failed if not getattr(e, "retriable", True)]
+            stale = [type(e).__name__ for _, e in failed if type(e).__name__ in _PRODUCER_STATE_ERRORS]
+            if stale:
+                log.warning("kafka: dead-letter topic %s: the broker lost this producer's state (%s; "
+                            "a restart?); sending %d records again with a new producer",
+                            self.topic, stale[0], len(failed))
+                self._producer.close(timeout=1)
+                self._producer = make_producer(self._url, acks="all", linger_ms=0)
+                failed = [(r, None) for r, _ in failed]
+            final = [(r, e) for r, e in failed if e is not None and not getattr(e, "retriable", True)]
             if final:
                 r, e = final[0]
                 raise SourceError(

@@ -275,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_resource_parsers(sub, _add_common)
     from stream_ctr.serving.commands import add_serving_parsers
     add_serving_parsers(sub, _add_common)
+    from stream_ctr.chaos.commands import add_chaos_parser
+    add_chaos_parser(sub, _add_common)
     _show_defaults(parser)
     return parser
 

@@ -1,0 +1,127 @@
+"""The verdict of a chaos run: what must hold after any fault schedule.
+
+- exactly once: the model's own counter (records in the last checkpoint, and
+  the last trainer's summary) equals the good records produced; the
+  checkpoint's positions are the end of every partition; the group's committed
+  offsets equal them;
+- dead letters: every malformed message is on the dead-letter topic, and no
+  good one; at least once (a message read again after a kill is dead-lettered
+  again: connectors/kafka/sink.py), so duplicates are counted, not failed;
+- the model: equal, tensor for tensor (dense weights, optimizer state,
+  embedding rows and their moments, the prequential window), to the
+  fault-free reference's -- what `kafka.deterministic_batches` promises;
+- no checkpoint left unreadable: every complete checkpoint directory loads and
+  matches its checksums (half-written ``.tmp-*`` directories are never read).
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stream_ctr.chaos.stream import KnownStream
+from stream_ctr.train.checkpoint import CheckpointError, load_checkpoint
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+def same_tensors(a, b) -> bool:
+    """Nested dicts/lists of tensors and plain values, equal bit for bit."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_tensors(a[k], b[k]) for k in a)
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_tensors(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int) -> dict[str, int]:
+    from kafka import KafkaConsumer, TopicPartition
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    try:
+        out = {}
+        for p in range(partitions):
+            offset = consumer.committed(TopicPartition(topic, p))
+            if offset is not None:
+                out[f"{topic}/{p}"] = offset
+        return out
+    finally:
+        consumer.close(autocommit=False)
+
+
+def dead_letters(bootstrap: str, topic: str, idle_ms: int = 4000) -> Counter:
+    """(partition, offset) of every record on `topic`'s dead-letter topic, counted."""
+    from kafka import KafkaConsumer
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                             auto_offset_reset="earliest", consumer_timeout_ms=idle_ms)
+    dead = f"{topic}.dead-letter"
+    partitions = consumer.partitions_for_topic(dead) or set()
+    from kafka import TopicPartition
+    tps = [TopicPartition(dead, p) for p in sorted(partitions)]
+    out: Counter = Counter()
+    if tps:
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        for record in consumer:
+            value = json.loads(record.value)
+            out[(int(value["partition"]), int(value["offset"]))] += 1
+    consumer.close()
+    return out
+
+
+def readable_checkpoints(run_dir: Path) -> tuple[int, list[str]]:
+    """(complete checkpoints found, the ones that do not load)."""
+    bad, n = [], 0
+    for ckpt in sorted((run_dir / "checkpoints").glob("ckpt-*")):
+        if not (ckpt / "manifest.json").exists():
+            continue                    # a delete interrupted by a kill: not a checkpoint
+        n += 1
+        try:
+            load_checkpoint(ckpt)
+        except (CheckpointError, OSError, RuntimeError, ValueError) as e:
+            bad.append(f"{ckpt.name}: {e}")
+    return n, bad
+
+
+def verify_run(stream: KnownStream, bootstrap: str, group: str, run_dir: Path, reference_dir: Path,
+               code: int, summary: dict, ref_code: int, ref_summary: dict) -> list[Check]:
+    checks = [Check("reference run", ref_code == 0 and ref_summary.get("records_trained_total") == stream.good,
+                    f"exit {ref_code}, {ref_summary.get('records_trained_total')} of {stream.good:,} records"),
+              Check("last trainer", code == 0, f"exit {code}")]
+    ends = {f"{stream.topic}/{p}": n for p, n in enumerate(stream.messages)}
+    try:
+        final, reference = load_checkpoint(run_dir), load_checkpoint(reference_dir)
+    except (CheckpointError, OSError) as e:
+        return checks + [Check("checkpoints", False, str(e))]
+    checks.append(Check("exactly once (model counter)", final.records_trained == stream.good
+                        and summary.get("records_trained_total") == stream.good,
+                        f"checkpoint {final.records_trained:,}, summary {summary.get('records_trained_total')}, "
+                        f"produced {stream.good:,}"))
+    checks.append(Check("exactly once (positions)", final.positions == ends,
+                        f"checkpoint {final.positions}, partition ends {ends}"))
+    group_offsets = committed_offsets(bootstrap, group, stream.topic, stream.partitions)
+    checks.append(Check("group offsets", group_offsets == ends, f"committed {group_offsets}"))
+    letters = dead_letters(bootstrap, stream.topic)
+    missing = set(stream.bad) - set(letters)
+    foreign = set(letters) - set(stream.bad)
+    again = sum(n - 1 for n in letters.values())
+    checks.append(Check("dead letters", not missing and not foreign,
+                        f"{len(stream.bad)} malformed, {len(missing)} missing, {len(foreign)} good ones "
+                        f"dead-lettered, {again} dead-lettered again after a restart (at least once)"))
+    same = same_tensors(final.tensors["trainer"], reference.tensors["trainer"])
+    window = same_tensors(final.tensors["window"], reference.tensors["window"])
+    checks.append(Check("model equals the fault-free run's", same and window and final.step == reference.step,
+                        f"trainer tensors {'equal' if same else 'DIFFER'}, window {'equal' if window else 'DIFFERS'}, "
+                        f"steps {final.step} / {reference.step}"))
+    n, bad = readable_checkpoints(run_dir)
+    checks.append(Check("no unreadable checkpoint", not bad, f"{n} checkpoints load" + (f"; {bad}" if bad else "")))
+    return checks
