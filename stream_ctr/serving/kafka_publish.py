@@ -81,18 +81,20 @@ class KafkaSink:
             raise OSError(f"sending to {self.url.text} failed: {e}") from None
 
     def _send_version(self, path: Path) -> None:
-        futures = []
+        """Every file of the version at `path`, PART_BYTES at a time (never whole in memory)."""
         for name in VERSION_FILES:
-            data = (path / name).read_bytes()
-            parts = max(1, -(-len(data) // PART_BYTES))
-            for i in range(parts):
-                futures.append(self._producer.send(
-                    self.topic, key=f"{path.name}/{name}".encode(),
-                    value=data[i * PART_BYTES:(i + 1) * PART_BYTES],
-                    headers=[("part", str(i).encode()), ("parts", str(parts).encode())]))
-        self._producer.flush()
-        for f in futures:
-            f.get(timeout=60)               # raises the KafkaError of a part not acknowledged
+            parts = max(1, -(-(path / name).stat().st_size // PART_BYTES))
+            futures = []
+            with open(path / name, "rb") as f:
+                for i in range(parts):
+                    futures.append(self._producer.send(
+                        self.topic, key=f"{path.name}/{name}".encode(), value=f.read(PART_BYTES),
+                        headers=[("part", str(i).encode()), ("parts", str(parts).encode())]))
+                    if len(futures) >= 64:      # bounded: wait for the acks of what was sent
+                        self._producer.flush()
+            self._producer.flush()
+            for fut in futures:
+                fut.get(timeout=60)             # raises the KafkaError of a part not acknowledged
 
     def close(self) -> None:
         self._producer.close()
@@ -112,7 +114,7 @@ class KafkaMirror:
         tp = TopicPartition(self.url.topics[0], 0)
         self._consumer.assign([tp])
         self._consumer.seek_to_beginning(tp)
-        self._parts: dict[str, dict[int, bytes]] = {}
+        self._parts: dict[str, set[int]] = {}       # file -> the parts of it on disk
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stream-ctr-kafka-mirror", daemon=True)
 
@@ -141,13 +143,20 @@ class KafkaMirror:
         if file not in VERSION_FILES or (self.root / version).exists():
             return                          # not ours, or a version sent again after a failure
         part, parts = int(headers.get("part", b"0")), int(headers.get("parts", b"1"))
-        got = self._parts.setdefault(name, {})
-        got[part] = value
-        if len(got) < parts:
-            return
         tmp = self.root / f".tmp-{version}"
         tmp.mkdir(exist_ok=True)
-        (tmp / file).write_bytes(b"".join(got[i] for i in range(parts)))
+        (tmp / f"{file}.part-{part:08d}").write_bytes(value)      # parts on disk, not in memory
+        got = self._parts.setdefault(name, set())
+        got.add(part)
+        if len(got) < parts:
+            return
+        with open(tmp / f".{file}", "wb") as out:
+            for i in range(parts):
+                piece = tmp / f"{file}.part-{i:08d}"
+                with open(piece, "rb") as f:
+                    shutil.copyfileobj(f, out)
+                piece.unlink()
+        os.replace(tmp / f".{file}", tmp / file)
         del self._parts[name]
         if all((tmp / f).exists() for f in VERSION_FILES):
             os.rename(tmp, self.root / version)

@@ -277,3 +277,12 @@ def test_a_published_model_of_other_records_is_refused_and_the_server_goes_on(ru
         assert status == 200
     finally:
         predictor.close()
+    # Avazu records carry event times: a server of the Avazu model reports event freshness too.
+    own = Predictor(Scorer(read_bundle(initial_bundle(cfg.serving.publish))))
+    try:
+        status = own.model()
+        assert status.published_version == 1 and status.freshness_s > 0 and status.event_freshness_s > 0
+        info = PublishInfo.from_manifest(read_bundle(version_dir(cfg.serving.publish, 1)).manifest, "")
+        assert info.newest_event_ms > 1.3e12           # 2014's click log, in ms
+    finally:
+        own.close()
