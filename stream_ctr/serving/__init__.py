@@ -17,6 +17,7 @@
                of deltas), atomic replacement
     publisher  `train --publish`: a full snapshot, then deltas, after durable checkpoints
     follower   `serve --follow`: applies new versions to a running predictor (brief-lock swap)
+    kafka_publish  the publish directory carried by a Kafka topic (sender and mirror)
     commands   the `export`, `predict` and `serve` subcommands (argument parsing, summaries)
 
 bundle, scorer and export may import store, models, config, connectors and ops
