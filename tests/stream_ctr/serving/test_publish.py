@@ -286,3 +286,20 @@ def test_a_published_model_of_other_records_is_refused_and_the_server_goes_on(ru
         assert info.newest_event_ms > 1.3e12           # 2014's click log, in ms
     finally:
         own.close()
+
+
+def test_publish_refuses_what_cannot_work_with_clear_messages(tmp_path, monkeypatch):
+    from stream_ctr.config import validate
+    from stream_ctr.serving.publisher import open_publisher
+    cfg = small_config(tmp_path / "r", tiered=False)
+    (tmp_path / "a_file").write_text("x")
+    cfg.serving.publish = str(tmp_path / "a_file")
+    with pytest.raises(ConfigError, match="cannot use it as the publish directory"):
+        open_publisher(cfg, CRITEO)
+    cfg.serving.publish = str(tmp_path / "pub")
+    monkeypatch.setenv("WORLD_SIZE", "2")           # a rank of a torchrun job
+    with pytest.raises(ConfigError, match="needs a single-process run"):
+        open_publisher(cfg, CRITEO)
+    cfg.serving.publish_every_s = -1
+    with pytest.raises(ConfigError, match="serving.publish_every_s must be >= 0"):
+        validate(cfg)
