@@ -39,6 +39,8 @@ def add_chaos_parser(sub: argparse._SubParsersAction, add_common) -> None:
     p.add_argument("--kills", type=int, default=spec.kills, help="SIGKILLs of the trainer in all")
     p.add_argument("--checkpoint-kills", type=int, default=spec.checkpoint_kills,
                    help="... of them inside a checkpoint write")
+    p.add_argument("--rebalance-kills", type=int, default=spec.rebalance_kills,
+                   help="... of them while a second member joins the group")
     p.add_argument("--pauses", type=int, default=spec.pauses, help="SIGSTOP/SIGCONT pauses")
     p.add_argument("--broker-restarts", type=int, default=spec.broker_restarts,
                    help="broker SIGKILLs, each started again on its data")
@@ -50,6 +52,8 @@ def add_chaos_parser(sub: argparse._SubParsersAction, add_common) -> None:
                    help="the stream arrives over this long, while the faults strike (0: all before)")
     p.add_argument("--batch-size", type=int, default=256, help="the trainers' data.batch_size")
     p.add_argument("--checkpoint-every", type=int, default=4, help="the trainers' checkpoint interval, in batches")
+    p.add_argument("--store", choices=("memory", "tiered"), default="memory",
+                   help="the trainers' embedding store (tiered: LMDB on disk, kills land in its flushes)")
     p.add_argument("--work-dir", default="", help="logs, run directories and broker data (default: a new "
                    "temporary directory, kept)")
     add_common(p)
@@ -58,12 +62,13 @@ def add_chaos_parser(sub: argparse._SubParsersAction, add_common) -> None:
 
 def cmd_chaos(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1_000_000)
-    spec = ScheduleSpec(kills=args.kills, checkpoint_kills=args.checkpoint_kills, pauses=args.pauses,
+    spec = ScheduleSpec(kills=args.kills, checkpoint_kills=args.checkpoint_kills,
+                        rebalance_kills=args.rebalance_kills, pauses=args.pauses,
                         broker_restarts=args.broker_restarts, member_joins=args.member_joins,
                         max_gap_s=args.max_gap)
     cfg = ChaosConfig(seed=seed, records=args.records, partitions=args.partitions, bad_rate=args.bad_rate,
                       batch_size=args.batch_size, checkpoint_every=args.checkpoint_every, schedule=spec,
-                      work_dir=args.work_dir, produce_s=args.produce_seconds)
+                      work_dir=args.work_dir, produce_s=args.produce_seconds, store=args.store)
 
     def say(line: str) -> None:
         if not args.quiet or line.startswith("chaos: seed"):

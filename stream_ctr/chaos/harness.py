@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from stream_ctr.chaos.schedule import (BROKER_RESTART, KILL, KILL_IN_CHECKPOINT, MEMBER_JOIN, PAUSE, Fault,
-                                       ScheduleSpec, make_schedule)
+from stream_ctr.chaos.schedule import (BROKER_RESTART, KILL, KILL_IN_CHECKPOINT, KILL_IN_REBALANCE, MEMBER_JOIN,
+                                       PAUSE, Fault, ScheduleSpec, make_schedule)
 from stream_ctr.chaos.stream import StreamProducer
 from stream_ctr.chaos.verify import Check, verify_run
 
@@ -47,6 +47,7 @@ class ChaosConfig:
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
     work_dir: str = ""               # default: a new temporary directory (kept: logs, run dirs)
     threads: int = 1
+    store: str = "memory"            # the trainers' store.kind; tiered: kills land in LMDB flushes too
 
 
 @dataclass
@@ -77,7 +78,7 @@ def trainer_command(cfg: ChaosConfig, bootstrap: str, topic: str, group: str, ru
     cmd = [sys.executable, "-m", "stream_ctr", "train", f"kafka://{bootstrap}/{topic}?group={group}",
            "--resume", str(run_dir), "--batch-size", str(cfg.batch_size),
            "--checkpoint-every", str(cfg.checkpoint_every), "--stop-when-idle", str(cfg.stop_when_idle_s),
-           "--threads", str(cfg.threads), "--set", "model.mlp_dims=32,32",
+           "--threads", str(cfg.threads), "--store", cfg.store, "--set", "model.mlp_dims=32,32",
            "--set", "kafka.deterministic_batches=true", "--set", "data.max_batch_delay_s=1e9",
            "--json", "--quiet"]
     for name, value in KAFKA_SETTINGS.items():
@@ -222,6 +223,13 @@ def apply_fault(fault: Fault, trainers: Trainers, broker, run_dir: Path, bootstr
                 trainers.proc.send_signal(signal.SIGCONT)
     elif fault.kind == MEMBER_JOIN:
         idle_member(bootstrap, topic, group, fault.hold_s).join(timeout=120)
+    elif fault.kind == KILL_IN_REBALANCE:
+        member = idle_member(bootstrap, topic, group, fault.hold_s)
+        # tansu admits the new member after half the session timeout; the trainer's
+        # revocation (drop, checkpoint, commit) and its rejoin follow: kill in there.
+        time.sleep(KAFKA_SETTINGS["session_timeout_ms"] / 2000 + 0.2)
+        trainers.kill()
+        member.join(timeout=120)
     return done
 
 

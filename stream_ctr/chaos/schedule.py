@@ -18,7 +18,8 @@ KILL_IN_CHECKPOINT = "kill_in_checkpoint"  # SIGKILL while a checkpoint director
 PAUSE = "pause"                          # SIGSTOP for hold_s (past the session timeout), then SIGCONT
 BROKER_RESTART = "broker_restart"        # the broker SIGKILLed, down hold_s, started on its data again
 MEMBER_JOIN = "member_join"              # a second member joins the group for hold_s, then leaves
-KILLS = (KILL, KILL_IN_CHECKPOINT)
+KILL_IN_REBALANCE = "kill_in_rebalance"  # SIGKILL while a second member is joining (a rebalance)
+KILLS = (KILL, KILL_IN_CHECKPOINT, KILL_IN_REBALANCE)
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,9 @@ class Fault:
 @dataclass(frozen=True)
 class ScheduleSpec:
     """How many faults of each kind; the moments come from the seed."""
-    kills: int = 6                       # SIGKILLs in all, `checkpoint_kills` of them inside writes
-    checkpoint_kills: int = 2
+    kills: int = 6                       # SIGKILLs in all: `checkpoint_kills` inside checkpoint
+    checkpoint_kills: int = 2            # writes, `rebalance_kills` while a member joins
+    rebalance_kills: int = 1
     pauses: int = 1
     broker_restarts: int = 1
     member_joins: int = 1
@@ -50,13 +52,15 @@ def make_schedule(spec: ScheduleSpec, seed: int) -> list[Fault]:
     """The schedule of `seed`: the first fault is a kill during start-up (before any
     checkpoint can exist), the others in a seeded order at seeded moments."""
     rng = random.Random(seed)
-    if spec.checkpoint_kills > spec.kills:
-        raise ValueError("checkpoint_kills cannot exceed kills")
-    rest = ([KILL] * (spec.kills - spec.checkpoint_kills - 1) + [KILL_IN_CHECKPOINT] * spec.checkpoint_kills
+    if spec.kills and spec.checkpoint_kills + spec.rebalance_kills > spec.kills - 1:
+        raise ValueError("checkpoint_kills + rebalance_kills must leave one plain kill (the start-up one)")
+    rest = ([KILL] * (spec.kills - spec.checkpoint_kills - spec.rebalance_kills - 1)
+            + [KILL_IN_CHECKPOINT] * spec.checkpoint_kills + [KILL_IN_REBALANCE] * spec.rebalance_kills
             + [PAUSE] * spec.pauses + [BROKER_RESTART] * spec.broker_restarts + [MEMBER_JOIN] * spec.member_joins)
     rng.shuffle(rest)
     faults = [Fault(KILL, round(rng.uniform(0.3, 2.0), 2))] if spec.kills else []
-    holds = {PAUSE: spec.pause_s, BROKER_RESTART: spec.outage_s, MEMBER_JOIN: spec.member_s}
+    holds = {PAUSE: spec.pause_s, BROKER_RESTART: spec.outage_s, MEMBER_JOIN: spec.member_s,
+             KILL_IN_REBALANCE: spec.member_s}
     for kind in rest:
         faults.append(Fault(kind, round(rng.uniform(0.5, spec.max_gap_s), 2), holds.get(kind, 0.0)))
     return faults
