@@ -20,7 +20,6 @@ from __future__ import annotations
 import sys
 import time
 import types
-from pathlib import Path
 
 import numpy as np
 
@@ -75,16 +74,20 @@ def deepctr_inputs(keys: np.ndarray, dense: np.ndarray) -> tuple[dict[str, np.nd
     return x, vocab
 
 
-def deepctr_samples_per_s(path: str, batch_size: int, threads: int, embed_dim: int = 10,
+def deepctr_samples_per_s(source: str, schema: str, batch_size: int, threads: int, embed_dim: int = 10,
                           hidden: tuple[int, ...] = (400, 400, 400)) -> dict:
-    """Train deepctr-torch's DeepFM for one epoch over the Criteo file `path`; samples/s of fit()."""
+    """Train deepctr-torch's DeepFM for one epoch over `source`; samples/s of fit()."""
     import torch
     from stream_ctr.bench.train import _batches
+    from stream_ctr.config import ConfigError
     from stream_ctr.connectors.batch import Batch
     DeepFM, SparseFeat, DenseFeat = import_deepctr()
     if threads:
         torch.set_num_threads(threads)
-    whole = Batch.concat(_batches(path, batch_size))
+    whole = Batch.concat(_batches(source, schema, batch_size))
+    if whole.n_multi:
+        raise ConfigError("bench train --peer deepctr: the source has multi-hot fields, which this "
+                          "comparison does not give the peer; use a source of fixed fields")
     x, vocab = deepctr_inputs(whole.keys, whole.dense)
     columns = ([SparseFeat(f"C{f}", vocabulary_size=v, embedding_dim=embed_dim) for f, v in enumerate(vocab)]
                + [DenseFeat(f"I{j}", 1) for j in range(whole.dense.shape[1])])
@@ -96,15 +99,15 @@ def deepctr_samples_per_s(path: str, batch_size: int, threads: int, embed_dim: i
     seconds = time.perf_counter() - t0
     return {"peer": "deepctr-torch", "batch_size": batch_size, "records": len(whole),
             "threads": torch.get_num_threads(), "precision": "fp32", "seconds": seconds,
-            "samples_per_s": len(whole) / seconds, "data": Path(path).name}
+            "samples_per_s": len(whole) / seconds, "data": source}
 
 
-def _peer_worker(path: str, batch_size: int, threads: int, queue) -> None:
+def _peer_worker(source: str, schema: str, batch_size: int, threads: int, queue) -> None:
     import contextlib
     from stream_ctr.config import ConfigError
     try:
         # deepctr prints to stdout (its device, "Train on N samples"): keep --json output clean
         with contextlib.redirect_stdout(sys.stderr):
-            queue.put(deepctr_samples_per_s(path, batch_size, threads))
+            queue.put(deepctr_samples_per_s(source, schema, batch_size, threads))
     except ConfigError as exc:
         queue.put({"error": str(exc)})

@@ -46,7 +46,10 @@ def add_bench_scaling_parser(bsub: argparse._SubParsersAction, add_common) -> No
     b = bsub.add_parser("scaling", help="test AUC per batch size and scaling rule (table + PNG)",
                         description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    b.add_argument("source", help="criteo:PATH, avazu:PATH or a path (e.g. from `stream-ctr synth`)")
+    b.add_argument("source", help="criteo:PATH, avazu:PATH, json:PATH / csv:PATH with --schema, or a "
+                   "path (e.g. from `stream-ctr synth`)")
+    b.add_argument("--schema", metavar="FILE", help="the declared schema of a json:/csv: source "
+                   "(or a [schema] table in --config)")
     b.add_argument("--batches", default="1024,8192,32768,131072", help="batch sizes, comma-separated")
     b.add_argument("--rules", default="none,cowclip", help=f"comma-separated, of {', '.join(RULES)}")
     b.add_argument("--seeds", type=int, default=3, help="seeds per cell (default 3)")
@@ -67,6 +70,9 @@ def cmd_bench_scaling(args: argparse.Namespace) -> tuple[dict, str]:
     """The bench command: prints the table; returns (JSON summary, one line) for the CLI to emit."""
     from stream_ctr.config import ConfigError, load_config
     base = load_config(args.config, args.set)
+    if args.schema:
+        from stream_ctr.cli.schema import read_schema_file
+        base.data.schema = read_schema_file(args.schema)
     base.data.source = args.source
     base.data.epochs = args.epochs
     base.data.holdout_fraction = args.holdout_fraction

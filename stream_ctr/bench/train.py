@@ -44,8 +44,14 @@ def _bench_config(model: str, batch_size: int, threads: int, precision: str = "a
     return cfg
 
 
-def _batches(path: str, batch_size: int) -> list[Batch]:
-    fmt, p = detect_format(f"criteo:{path}")
+def bench_source(data: str) -> str:
+    """`--data`'s source spec: as given when it names its format (criteo:, avazu:, json:,
+    csv:), else a Criteo file (what `stream-ctr synth` writes)."""
+    return data if data.split(":", 1)[0] in ("criteo", "avazu", "json", "csv") else f"criteo:{data}"
+
+
+def _batches(source: str, schema: str, batch_size: int) -> list[Batch]:
+    fmt, p = detect_format(source, schema)
     batcher, out = MicroBatcher(batch_size), []
     with FileSource(p, fmt, chunk_records=max(65536, batch_size)) as src:
         while not src.exhausted:
@@ -96,17 +102,17 @@ def _warm_up(trainer, batch: Batch) -> None:
             trainer.train_step(batch)
 
 
-def _worker(path: str, model: str, batch_size: int, threads: int, precision: str, read_ahead: int,
-            compile_model: bool, queue: mp.Queue) -> None:
+def _worker(source: str, schema: str, model: str, batch_size: int, threads: int, precision: str,
+            read_ahead: int, compile_model: bool, queue: mp.Queue) -> None:
     from stream_ctr.train.trainer import Trainer
     from stream_ctr.train.loop import configure_torch
     cfg = _bench_config(model, batch_size, threads, precision, read_ahead, compile_model)
     configure_torch(cfg)
-    fmt, _ = detect_format(f"criteo:{path}")
+    fmt, _ = detect_format(source, schema)
 
     # Excluding decoding: decode everything first, then time only the steps.
     t0 = time.perf_counter()
-    batches = _batches(path, batch_size)
+    batches = _batches(source, schema, batch_size)
     decode_s = time.perf_counter() - t0
     records = sum(len(b) for b in batches)
     trainer = Trainer(cfg, fmt.n_model_fields, fmt.n_dense, keys_per_record=fmt.max_keys_per_record)
@@ -127,7 +133,7 @@ def _worker(path: str, model: str, batch_size: int, threads: int, precision: str
     trainer = Trainer(cfg, fmt.n_model_fields, fmt.n_dense, keys_per_record=fmt.max_keys_per_record)
     _warm_up(trainer, warm)
     t0 = time.perf_counter()
-    fmt, p = detect_format(f"criteo:{path}")
+    fmt, p = detect_format(source, schema)
     batcher = MicroBatcher(batch_size)
     src = FileSource(p, fmt, chunk_records=max(65536, batch_size))
     if cfg.data.read_ahead_chunks:         # decoded on a thread while the steps run, as in train
@@ -171,7 +177,7 @@ def _in_process(ctx, target, *args) -> dict:
 def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
                 data: str | None = None, threads: int = 0, show_progress: bool = True,
                 precision: str = "auto", read_ahead: int = 2, compile_model: bool = False,
-                peer: str | None = None, repeats: int = 1) -> list[dict]:
+                peer: str | None = None, repeats: int = 1, schema: str = "") -> list[dict]:
     """One row per batch size and repeat.  With `peer="deepctr"` each of our runs is
     followed by deepctr-torch's DeepFM on the same rows (bench/peer.py), so the pair is
     measured in the same minute (A, B, A, B with repeats >= 2) and the row carries the
@@ -188,16 +194,17 @@ def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
         tmp = tempfile.TemporaryDirectory(prefix="stream_ctr_bench_")
         data = str(Path(tmp.name) / "synth.tsv")
         write_synthetic_criteo(data, records, seed=0)
+    source = bench_source(data)
     ctx = mp.get_context("spawn")
     rows = []
     try:
         for bs in batch_sizes:
             for _ in range(max(1, repeats)):
-                row = _in_process(ctx, _worker, data, model, bs, threads, precision, read_ahead,
-                                  compile_model)
+                row = _in_process(ctx, _worker, source, schema, model, bs, threads, precision,
+                                  read_ahead, compile_model)
                 if peer:
                     from stream_ctr.bench.peer import _peer_worker
-                    other = _in_process(ctx, _peer_worker, data, bs, threads)
+                    other = _in_process(ctx, _peer_worker, source, schema, bs, threads)
                     if "error" in other:
                         from stream_ctr.config import ConfigError
                         raise ConfigError(other["error"])

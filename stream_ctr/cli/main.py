@@ -402,6 +402,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
     from stream_ctr.bench.train import bench_train, format_table
+    from stream_ctr.cli.schema import read_schema_file
     rows = bench_train(args.records, [int(x) for x in args.batch_sizes.split(",")],
                        args.model, args.data, args.threads, show_progress=not args.quiet,
                        precision=args.precision, read_ahead=args.read_ahead,

@@ -52,3 +52,21 @@ def test_study_table_png_and_resume(tmp_path):
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "out" / "results.jsonl").read_text().splitlines() == rows
     assert (tmp_path / "out" / "table.txt").read_text() == table
+
+
+def test_study_on_a_json_log_with_its_schema_and_sidecar(tmp_path):
+    data = tmp_path / "log.jsonl"
+    assert subprocess.run(CLI + ["synth", "--format", "json", str(data), "--records", "6000"],
+                          capture_output=True).returncode == 0
+    schema = subprocess.run(CLI + ["schema", "infer", f"json:{data}", "--label", "clicked"],
+                            capture_output=True, text=True)
+    assert schema.returncode == 0, schema.stderr
+    (tmp_path / "s.toml").write_text(schema.stdout)
+    out = subprocess.run(CLI + ["bench", "scaling", f"json:{data}", "--schema", str(tmp_path / "s.toml"),
+                                "--batches", "256", "--rules", "cowclip", "--seeds", "1", "--threads", "1",
+                                "--out", str(tmp_path / "out"), "--json", "--quiet"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    (cell,) = summary["cells"]
+    assert cell["steps"] == math.ceil(5400 / 256) and 0.5 < cell["auc_mean"] < summary["bayes_auc"]

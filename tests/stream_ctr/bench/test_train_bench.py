@@ -29,3 +29,14 @@ def test_bench_train_times_a_compiled_trainer_after_compiling(capsys):
                  "--precision", "fp32", "--compile", "--json", "--quiet"]) == 0
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert row["compile"] is True and positive(row["samples_per_s_incl_decode"])
+
+
+def test_bench_train_on_a_json_log_with_its_schema(capsys, tmp_path):
+    from stream_ctr.connectors.synth_json import AD_LOG_SCHEMA, write_synthetic_json
+    log = tmp_path / "log.jsonl"
+    write_synthetic_json(log, 3000)
+    (tmp_path / "s.toml").write_text(AD_LOG_SCHEMA)
+    assert main(["bench", "train", "--data", f"json:{log}", "--schema", str(tmp_path / "s.toml"),
+                 "--batch-sizes", "512", "--threads", "1", "--json", "--quiet"]) == 0
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert row["records"] == 5 * 512 and positive(row["samples_per_s_incl_decode"])
