@@ -203,7 +203,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--batch-sizes", default="1024,8192,65536",
                    help="batch sizes to time, comma-separated (default 1024,8192,65536)")
     b.add_argument("--model", default="deepfm", help="deepfm, wdl, dcn or dcnv2 (default deepfm)")
-    b.add_argument("--data", help="use this Criteo file (default: a synthetic file generated for the run)")
+    b.add_argument("--data", help="use this source: a Criteo file, or criteo:/avazu:/json:/csv:PATH "
+                   "(json/csv with --schema; default: a synthetic Criteo file generated for the run)")
+    b.add_argument("--schema", metavar="FILE", help="the declared schema of a json:/csv: --data")
     b.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (default 0: torch's choice, usually every core)")
     b.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
@@ -406,7 +408,8 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     rows = bench_train(args.records, [int(x) for x in args.batch_sizes.split(",")],
                        args.model, args.data, args.threads, show_progress=not args.quiet,
                        precision=args.precision, read_ahead=args.read_ahead,
-                       compile_model=args.compile, peer=args.peer, repeats=args.repeats)
+                       compile_model=args.compile, peer=args.peer, repeats=args.repeats,
+                       schema=read_schema_file(args.schema) if args.schema else "")
     if not args.json:
         print(format_table(rows))
     emit(args, {"bench": "train", "rows": rows}, f"bench train: {len(rows)} configurations measured")
