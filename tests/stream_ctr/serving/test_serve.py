@@ -265,15 +265,18 @@ def test_bench_serve_prints_its_rows(run, capsys):
     assert all(r["requests"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 for r in rows)
 
 
-def test_bench_serve_measures_freshness_end_to_end(run, kafka, capsys):
-    """`--measure freshness` on the test broker: a trainer publishing every second, a server
-    following; each applied version has a freshness (values not asserted: a shared machine)."""
+@pytest.mark.parametrize("via", ["dir", "kafka"])
+def test_bench_serve_measures_freshness_end_to_end(run, kafka, capsys, via):
+    """`--measure freshness` on the test broker: a trainer publishing every second (into a
+    directory, or through a topic), a server following; each applied version has a freshness
+    (values not asserted: a shared machine)."""
     tmp, _ = run
     out = json.loads(_cli(capsys, "bench", "serve", str(tmp / "bundle"), "--measure", "freshness",
                           "--publish-every-s", "1", "--freshness-seconds", "6", "--rate", "1000",
-                          "--broker", f"kafka://{kafka.bootstrap}"))
+                          "--broker", f"kafka://{kafka.bootstrap}", "--publish-via", via))
     fresh = out["freshness"]
     assert "rows" not in out and fresh["versions"] >= 1 and fresh["publish_every_s"] == 1
+    assert fresh["via"] == via
     assert 0 < fresh["freshness_min_s"] <= fresh["freshness_p50_s"] <= fresh["freshness_max_s"]
 
 
