@@ -8,7 +8,8 @@
     verify      exactly-once, dead letters, the fault-free model, readable checkpoints
     commands    the `chaos` subcommand
 
-May import train, config and connectors (the trainer itself runs as a child
+May import train, serving (reading a tiered checkpoint's rows), config and
+connectors (the trainer itself runs as a child
 process, `python -m stream_ctr train`, the way a supervisor runs it); never cli,
 bench or distributed.
 """

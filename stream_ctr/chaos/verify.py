@@ -9,7 +9,9 @@
   again: connectors/kafka/sink.py), so duplicates are counted, not failed;
 - the model: equal, tensor for tensor (dense weights, optimizer state,
   embedding rows and their moments, the prequential window), to the
-  fault-free reference's -- what `kafka.deterministic_batches` promises;
+  fault-free reference's -- what `kafka.deterministic_batches` promises (a
+  tiered store's rows are read from each run's LMDB at its checkpoint's
+  generation and compared by key: weights and linear column);
 - no checkpoint left unreadable: every complete checkpoint directory loads and
   matches its checksums (half-written ``.tmp-*`` directories are never read).
 """
@@ -20,10 +22,16 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from stream_ctr.chaos.stream import KnownStream
-from stream_ctr.train.checkpoint import CheckpointError, load_checkpoint
+from stream_ctr.config import Config
+from stream_ctr.serving.export import tiered_rows
+from stream_ctr.train.checkpoint import CheckpointError, CheckpointState, load_checkpoint
+
+# Where a tiered store's rows live, not what they are: differs between two runs.
+_STORE_PLACE = ("store_id", "store_dir", "generation", "nonce")
 
 
 @dataclass
@@ -42,6 +50,29 @@ def same_tensors(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same_tensors(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def same_model(a: CheckpointState, b: CheckpointState) -> bool:
+    """The trainer state of two checkpoints equal; a tiered store's rows compared by key."""
+    ta, tb = a.tensors["trainer"], b.tensors["trainer"]
+    sa, sb = ta.get("store", {}), tb.get("store", {})
+    if sa.get("kind") != "tiered":
+        return same_tensors(ta, tb)
+    def placeless(t: dict) -> dict:
+        return {**t, "store": {k: v for k, v in t["store"].items() if k not in _STORE_PLACE}}
+    if not same_tensors(placeless(ta), placeless(tb)):
+        return False
+    keys_a, rows_a = _all_rows(sa, Config.from_dict(a.config))
+    keys_b, rows_b = _all_rows(sb, Config.from_dict(b.config))
+    return np.array_equal(keys_a, keys_b) and np.array_equal(rows_a, rows_b)
+
+
+def _all_rows(store: dict, cfg: Config) -> tuple[np.ndarray, np.ndarray]:
+    """Every (key, row) of a tiered checkpoint, in key order (small tables: a chaos run's)."""
+    chunks = list(tiered_rows(store, cfg, 1 << 16))
+    if not chunks:
+        return np.zeros(0, np.uint64), np.zeros((0, 0), np.float32)
+    return np.concatenate([k for k, _ in chunks]), np.concatenate([r for _, r in chunks])
 
 
 def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int) -> dict[str, int]:
@@ -117,7 +148,7 @@ def verify_run(stream: KnownStream, bootstrap: str, group: str, run_dir: Path, r
     checks.append(Check("dead letters", not missing and not foreign,
                         f"{len(stream.bad)} malformed, {len(missing)} missing, {len(foreign)} good ones "
                         f"dead-lettered, {again} dead-lettered again after a restart (at least once)"))
-    same = same_tensors(final.tensors["trainer"], reference.tensors["trainer"])
+    same = same_model(final, reference)
     window = same_tensors(final.tensors["window"], reference.tensors["window"])
     checks.append(Check("model equals the fault-free run's", same and window and final.step == reference.step,
                         f"trainer tensors {'equal' if same else 'DIFFER'}, window {'equal' if window else 'DIFFERS'}, "
