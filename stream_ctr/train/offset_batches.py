@@ -95,12 +95,14 @@ class Cut:
 
 
 class CutJournal:
-    """``RUN_DIR/batch_cuts.jsonl``: the cuts of a run, in the order they trained."""
+    """``RUN_DIR/batch_cuts.jsonl``: the cuts of a run, by the records trained before each.
+
+    Cuts stay known (`due`) until the batch after them is trained: a batch emitted
+    and then dropped by a rebalance is emitted again, and must come out the same."""
 
     def __init__(self, path: Path, trained_before: int) -> None:
         self.path = path
-        self.pending: deque[Cut] = deque()       # recorded after the resume point: to replay
-        kept = []
+        self.cuts: dict[int, Cut] = {}          # before -> cut, from the resume point on
         if path.is_file():
             for line in path.read_text().splitlines():
                 try:
@@ -110,25 +112,27 @@ class CutJournal:
                 except (ValueError, KeyError, TypeError, AttributeError):
                     continue            # a line a kill cut short: it never trained
                 if cut.before >= trained_before:
-                    kept.append(cut)
-        # A later line for the same batch (a run that replayed, then went on) replaces it.
-        by_key = {c.before: c for c in kept}
-        self.pending.extend(sorted(by_key.values(), key=lambda c: c.before))
+                    self.cuts[cut.before] = cut     # a later line for the same batch wins
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(c.to_json() + "\n" for c in self.pending))
+        tmp.write_text("".join(self.cuts[k].to_json() + "\n" for k in sorted(self.cuts)))
         tmp.replace(path)               # the cuts before the checkpoint are done with
 
     def due(self, before: int) -> Cut | None:
         """The recorded cut of the batch after `before` trained records, if any."""
-        while self.pending and self.pending[0].before < before:
-            self.pending.popleft()
-        return self.pending[0] if self.pending and self.pending[0].before == before else None
+        return self.cuts.get(before)
 
-    def forget(self) -> None:
-        self.pending.clear()
+    def forget(self, before: int) -> None:
+        """Drop the cuts from `before` on (the stream no longer matches them)."""
+        self.cuts = {k: c for k, c in self.cuts.items() if k < before}
+
+    def trained_up_to(self, before: int) -> None:
+        """Batches before `before` trained records are trained: their cuts are done with."""
+        if self.cuts and min(self.cuts) < before:
+            self.cuts = {k: c for k, c in self.cuts.items() if k >= before}
 
     def append(self, cut: Cut) -> None:
+        self.cuts[cut.before] = cut
         with open(self.path, "a") as f:
             f.write(cut.to_json() + "\n")
 
@@ -215,6 +219,7 @@ class OffsetOrderBatcher:
 
     def planned(self, size: int) -> Batch | None:
         """The next batch of `size` rows if the journal or the plan can make it now."""
+        self.journal.trained_up_to(self._trained_records())
         cut = self.journal.due(self._before)
         if cut is not None:
             return self._replay(cut)
@@ -233,7 +238,7 @@ class OffsetOrderBatcher:
             log.warning("stream-ctr: the recorded batch after record %d cannot be rebuilt from the "
                         "stream (its rows are gone: a topic recreated?); batches from here follow "
                         "the plan and may differ from the interrupted run's", self._before)
-            self.journal.forget()
+            self.journal.forget(self._before)
         available = [self._queues[n].rows for n in self._partitions]
         if not sum(available):
             return None
@@ -257,9 +262,8 @@ class OffsetOrderBatcher:
             log.warning("stream-ctr: the recorded batch after record %d starts at offsets %s, the "
                         "stream here at %s; batches from here follow the plan",
                         self._before, cut.first, heads)
-            self.journal.forget()
+            self.journal.forget(self._before)
             return None
-        self.journal.pending.popleft()
         return self._take(cut.rows)
 
     def _take(self, rows: dict[str, int]) -> Batch:

@@ -88,6 +88,18 @@ def test_a_recorded_cut_is_replayed_after_a_resume(tmp_path):
     assert journal_path.read_text() == ""
 
 
+def test_a_cut_dropped_by_a_rebalance_before_it_trained_comes_out_the_same_again(tmp_path):
+    names = ("t/0", "t/1")
+    batcher = OffsetOrderBatcher(4, CutJournal(tmp_path / "cuts.jsonl", 0), lambda: 0)
+    batcher.set_partitions(list(names))
+    batcher.add(rows(names, [0, 0, 0], [0, 1, 2]))
+    first = batcher.cut(4)                          # emitted (held ahead), not trained
+    assert batcher.discard(list(names)) == 0        # eager revocation: every partition
+    batcher.add(rows(names, [0, 1, 0, 1, 0], [0, 0, 1, 1, 2]))     # read again, and more
+    again = batcher.planned(4)
+    assert again is not None and again.offset.tolist() == first.offset.tolist() == [0, 1, 2]
+
+
 @pytest.mark.parametrize("packed", [1, 7])
 def test_sigkilled_and_resumed_over_three_partitions_is_bit_identical(kafka, tmp_path, packed):
     """packed=7: seven records a message, so batch boundaries split messages
