@@ -257,6 +257,17 @@ def schema_text(table: Any, origin: str) -> str:
         raise ConfigError(str(exc)) from None
 
 
+def read_schema_file(path: str) -> str:
+    """--schema FILE: the schema's canonical TOML text (what data.schema holds); ConfigError
+    naming the file and field when it cannot work."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--schema {path}: cannot read it ({exc})") from None
+    return schema_text(text, path)
+
+
 def _upgrade_legacy(raw: dict[str, Any]) -> dict[str, Any]:
     """Configs (checkpoints) from before warmup_samples: warmup_steps x the batch they ran."""
     optim = raw.get("optim")

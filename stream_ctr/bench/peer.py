@@ -78,13 +78,13 @@ def deepctr_samples_per_s(source: str, schema: str, batch_size: int, threads: in
                           hidden: tuple[int, ...] = (400, 400, 400)) -> dict:
     """Train deepctr-torch's DeepFM for one epoch over `source`; samples/s of fit()."""
     import torch
-    from stream_ctr.bench.train import _batches
+    from stream_ctr.bench.data import decoded_batches
     from stream_ctr.config import ConfigError
     from stream_ctr.connectors.batch import Batch
     DeepFM, SparseFeat, DenseFeat = import_deepctr()
     if threads:
         torch.set_num_threads(threads)
-    whole = Batch.concat(_batches(source, schema, batch_size))
+    whole = Batch.concat(decoded_batches(source, schema, batch_size))
     if whole.n_multi:
         raise ConfigError("bench train --peer deepctr: the source has multi-hot fields, which this "
                           "comparison does not give the peer; use a source of fixed fields")

@@ -71,7 +71,7 @@ def cmd_bench_scaling(args: argparse.Namespace) -> tuple[dict, str]:
     from stream_ctr.config import ConfigError, load_config
     base = load_config(args.config, args.set)
     if args.schema:
-        from stream_ctr.cli.schema import read_schema_file
+        from stream_ctr.config import read_schema_file
         base.data.schema = read_schema_file(args.schema)
     base.data.source = args.source
     base.data.epochs = args.epochs

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from stream_ctr.bench.data import bench_source, decoded_batches
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.files import FileSource, detect_format
 from stream_ctr.connectors.read_ahead import ReadAhead
@@ -42,21 +43,6 @@ def _bench_config(model: str, batch_size: int, threads: int, precision: str = "a
     cfg.train.threads = threads
     cfg.train.device = "auto"
     return cfg
-
-
-def bench_source(data: str) -> str:
-    """`--data`'s source spec: as given when it names its format (criteo:, avazu:, json:,
-    csv:), else a Criteo file (what `stream-ctr synth` writes)."""
-    return data if data.split(":", 1)[0] in ("criteo", "avazu", "json", "csv") else f"criteo:{data}"
-
-
-def _batches(source: str, schema: str, batch_size: int) -> list[Batch]:
-    fmt, p = detect_format(source, schema)
-    batcher, out = MicroBatcher(batch_size), []
-    with FileSource(p, fmt, chunk_records=max(65536, batch_size)) as src:
-        while not src.exhausted:
-            out.extend(batcher.add(src.read()[0]))
-    return out
 
 
 def bare_mlp_samples_per_s(in_features: int, hidden: tuple[int, ...], batch_size: int,
@@ -112,7 +98,7 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
 
     # Excluding decoding: decode everything first, then time only the steps.
     t0 = time.perf_counter()
-    batches = _batches(source, schema, batch_size)
+    batches = decoded_batches(source, schema, batch_size)
     decode_s = time.perf_counter() - t0
     records = sum(len(b) for b in batches)
     trainer = Trainer(cfg, fmt.n_model_fields, fmt.n_dense, keys_per_record=fmt.max_keys_per_record)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from stream_ctr.config import ConfigError
+from stream_ctr.config import ConfigError, read_schema_file  # noqa: F401  (the CLI reads --schema with it)
 
 INFER_EPILOG = """examples:
   stream-ctr schema infer json:clicks.jsonl --label clicked > schema.toml
@@ -32,18 +32,6 @@ def add_schema_parser(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--out", metavar="FILE", help="write the schema here instead of stdout")
     i.add_argument("--quiet", action="store_true", help="no summary line on stderr")
     i.set_defaults(func=cmd_schema_infer)
-
-
-def read_schema_file(path: str) -> str:
-    """--schema FILE: the schema's canonical TOML text (what data.schema holds); ConfigError
-    naming the file and field when it cannot work."""
-    from stream_ctr.config import schema_text
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--schema {path}: cannot read it ({exc})") from None
-    return schema_text(text, path)
 
 
 def cmd_schema_infer(args: argparse.Namespace) -> int:
