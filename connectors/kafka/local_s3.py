@@ -95,7 +95,11 @@ class LocalS3:
             return self
         self.starts += 1
         log = open(self.data_dir.parent / f"s3rver-{self.port}-{self.starts}.log", "wb")
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(self.data_dir)}
+        # s3rver 3.7.1 signs list continuation tokens with DES, which Node 17+ (OpenSSL 3)
+        # refuses without the legacy provider: every listing of more than 1,000 objects
+        # (a partition's record batches, after a while) failed with a 500.
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(self.data_dir),
+               "NODE_OPTIONS": "--openssl-legacy-provider"}
         self._proc = subprocess.Popen(
             [str(s3rver_binary()), "-d", str(self.data_dir), "-a", "127.0.0.1", "-p", str(self.port),
              "--silent", "--configure-bucket", BUCKET],
