@@ -3,8 +3,10 @@
     stream      the known stream: good Criteo lines and malformed messages at a rate,
                 produced into a topic of several partitions (what is where is recorded)
     schedule    the seeded fault schedule (kills, kills inside checkpoint writes,
-                pauses, broker restarts, a second group member joining and leaving)
+                pauses, broker restarts, a second group member joining and leaving,
+                a full checkpoint disk)
     harness     the trainer processes, the broker (durable: tansu on s3rver), the faults
+    disk        a checkpoint disk that fills up (a size-capped tmpfs)
     verify      exactly-once, dead letters, the fault-free model, readable checkpoints
     commands    the `chaos` subcommand
 

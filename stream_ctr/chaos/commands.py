@@ -46,6 +46,8 @@ def add_chaos_parser(sub: argparse._SubParsersAction, add_common) -> None:
                    help="broker SIGKILLs, each started again on its data")
     p.add_argument("--member-joins", type=int, default=spec.member_joins,
                    help="times a second group member joins and leaves")
+    p.add_argument("--disk-fulls", type=int, default=spec.disk_fulls,
+                   help="times the checkpoint disk (a size-capped tmpfs; needs root) fills up")
     p.add_argument("--max-gap", type=float, default=spec.max_gap_s, metavar="SECONDS",
                    help="longest wait before a fault")
     p.add_argument("--produce-seconds", type=float, default=60.0, metavar="SECONDS",
@@ -65,6 +67,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     spec = ScheduleSpec(kills=args.kills, checkpoint_kills=args.checkpoint_kills,
                         rebalance_kills=args.rebalance_kills, pauses=args.pauses,
                         broker_restarts=args.broker_restarts, member_joins=args.member_joins,
+                        disk_fulls=args.disk_fulls,
                         max_gap_s=args.max_gap)
     cfg = ChaosConfig(seed=seed, records=args.records, partitions=args.partitions, bad_rate=args.bad_rate,
                       batch_size=args.batch_size, checkpoint_every=args.checkpoint_every, schedule=spec,

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from stream_ctr.chaos.schedule import (BROKER_RESTART, KILL, KILL_IN_CHECKPOINT, KILL_IN_REBALANCE, MEMBER_JOIN,
-                                       PAUSE, Fault, ScheduleSpec, make_schedule)
+from stream_ctr.chaos.disk import SmallDisk, wait_for_exit
+from stream_ctr.chaos.schedule import (BROKER_RESTART, DISK_FULL, KILL, KILL_IN_CHECKPOINT, KILL_IN_REBALANCE,
+                                       MEMBER_JOIN, PAUSE, Fault, ScheduleSpec, make_schedule)
 from stream_ctr.chaos.stream import StreamProducer
 from stream_ctr.chaos.verify import Check, verify_run
 
@@ -48,6 +49,7 @@ class ChaosConfig:
     work_dir: str = ""               # default: a new temporary directory (kept: logs, run dirs)
     threads: int = 1
     store: str = "memory"            # the trainers' store.kind; tiered: kills land in LMDB flushes too
+    checkpoint_disk_mib: int = 256   # the tmpfs the checkpoints go to when the schedule fills a disk
 
 
 @dataclass
@@ -73,7 +75,8 @@ class ChaosReport:
                 "work_dir": self.work_dir}
 
 
-def trainer_command(cfg: ChaosConfig, bootstrap: str, topic: str, group: str, run_dir: Path) -> list[str]:
+def trainer_command(cfg: ChaosConfig, bootstrap: str, topic: str, group: str, run_dir: Path,
+                    checkpoint_dir: Path | None = None) -> list[str]:
     """The one command line that starts and restarts a run."""
     cmd = [sys.executable, "-m", "stream_ctr", "train", f"kafka://{bootstrap}/{topic}?group={group}",
            "--resume", str(run_dir), "--batch-size", str(cfg.batch_size),
@@ -83,6 +86,8 @@ def trainer_command(cfg: ChaosConfig, bootstrap: str, topic: str, group: str, ru
            "--json", "--quiet"]
     for name, value in KAFKA_SETTINGS.items():
         cmd += ["--set", f"kafka.{name}={value}"]
+    if checkpoint_dir is not None:
+        cmd += ["--set", f"train.checkpoint_dir={checkpoint_dir}"]
     return cmd
 
 
@@ -195,8 +200,23 @@ def idle_member(bootstrap: str, topic: str, group: str, stay_s: float) -> thread
     return thread
 
 
+def fill_disk(trainers: Trainers, disk: SmallDisk, timeout_s: float = 120.0) -> dict:
+    """Fill the checkpoint disk until the trainer's next checkpoint fails; what it said."""
+    disk.fill()
+    try:
+        code = wait_for_exit(trainers.proc, timeout_s)
+        if code is None:                    # no checkpoint came due (the stream is idle)
+            trainers.kill()
+        err = (trainers.logs / f"{trainers.name}-{trainers.started}.err").read_text(errors="replace")
+        lines = [line for line in err.splitlines() if "cannot write checkpoint" in line]
+        return {"exit": code, "error": lines[-1][:400] if lines else "",
+                "clear_error": code == 4 and bool(lines) and str(disk.path) in lines[-1] and "MiB" in lines[-1]}
+    finally:
+        disk.free()
+
+
 def apply_fault(fault: Fault, trainers: Trainers, broker, run_dir: Path, bootstrap: str, topic: str,
-                group: str) -> dict:
+                group: str, disk: SmallDisk | None = None) -> dict:
     """Strike `fault` (its moment has come); what happened, for the report."""
     done = {"fault": fault.kind, "after_s": fault.after_s, "attempt": trainers.started,
             "checkpointed_records": checkpointed_records(run_dir), "trainer_alive": trainers.alive}
@@ -223,6 +243,8 @@ def apply_fault(fault: Fault, trainers: Trainers, broker, run_dir: Path, bootstr
                 trainers.proc.send_signal(signal.SIGCONT)
     elif fault.kind == MEMBER_JOIN:
         idle_member(bootstrap, topic, group, fault.hold_s).join(timeout=120)
+    elif fault.kind == DISK_FULL and disk is not None and trainers.alive:
+        done.update(fill_disk(trainers, disk))
     elif fault.kind == KILL_IN_REBALANCE:
         member = idle_member(bootstrap, topic, group, fault.hold_s)
         # tansu admits the new member after half the session timeout; the trainer's
@@ -245,7 +267,8 @@ reference on the same stream, verify."""
     faults = make_schedule(cfg.schedule, cfg.seed)
     say(f"chaos: seed {cfg.seed} (the same --seed replays this schedule); working in {work}")
     say("chaos: schedule: " + "; ".join(f.describe() for f in faults))
-    with LocalS3(work / "s3" / "data") as s3:
+    with contextlib.ExitStack() as stack:
+        s3 = stack.enter_context(LocalS3(work / "s3" / "data"))
         broker = LocalBroker(log_dir=work / "broker", s3=s3).start()
         try:
             topic = f"chaos-{cfg.seed}"
@@ -256,7 +279,10 @@ reference on the same stream, verify."""
                 f"{cfg.bad_rate:g}) into {cfg.partitions} partitions of {topic} on {broker.bootstrap} "
                 f"(s3:// storage) over {cfg.produce_s:.0f} s")
             run_dir = work / "run"
-            trainers = Trainers(trainer_command(cfg, broker.bootstrap, topic, "chaos", run_dir), logs, "attempt")
+            disk = stack.enter_context(SmallDisk(work / "checkpoint-disk", cfg.checkpoint_disk_mib)) \
+                if cfg.schedule.disk_fulls else None
+            trainers = Trainers(trainer_command(cfg, broker.bootstrap, topic, "chaos", run_dir,
+                                                disk.path / "checkpoints" if disk else None), logs, "attempt")
             applied, base = [], None
             for i, fault in enumerate(faults):
                 if not trainers.alive:
@@ -266,11 +292,13 @@ reference on the same stream, verify."""
                     wait_for_progress(trainers, run_dir, base)
                 time.sleep(fault.after_s)
                 with producer.lock if fault.kind == BROKER_RESTART else contextlib.nullcontext():
-                    applied.append(apply_fault(fault, trainers, broker, run_dir, broker.bootstrap, topic, "chaos"))
-                inside = applied[-1].get("inside_checkpoint_write")
+                    applied.append(apply_fault(fault, trainers, broker, run_dir, broker.bootstrap, topic,
+                                               "chaos", disk))
+                inside, error = applied[-1].get("inside_checkpoint_write"), applied[-1].get("error")
                 say(f"chaos: {fault.describe()}: attempt {trainers.started}, checkpointed records "
                     f"{applied[-1]['checkpointed_records']}"
-                    + ("" if inside is None else f", inside a checkpoint write: {inside}"))
+                    + ("" if inside is None else f", inside a checkpoint write: {inside}")
+                    + ("" if error is None else f", exit {applied[-1]['exit']}: {error}"))
             stream = producer.join()
             say(f"chaos: produced {stream.good:,} records and {len(stream.bad):,} malformed messages")
             code, summary = trainers.finish(FINISH_TIMEOUT_S)
@@ -284,6 +312,12 @@ reference on the same stream, verify."""
                 f"{ref_summary.get('records_trained_total', '?')} records in {ref_summary.get('seconds', 0):.1f} s")
             checks = verify_run(stream, broker.bootstrap, "chaos", run_dir, work / "reference",
                                 code, summary, ref_code, ref_summary)
+            fulls = [f for f in applied if f["fault"] == DISK_FULL]
+            if fulls:
+                clear = sum(bool(f.get("clear_error")) for f in fulls)
+                checks.append(Check("disk full", clear == len(fulls),
+                                    f"{clear} of {len(fulls)} full disks stopped the trainer with one clear "
+                                    f"error (exit 4, the path, the MiB needed); each resumed"))
         finally:
             broker.stop()
     report = ChaosReport(cfg.seed, cfg.records, cfg.partitions, stream.bad_by_kind(), applied,

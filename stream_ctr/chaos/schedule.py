@@ -19,6 +19,7 @@ PAUSE = "pause"                          # SIGSTOP for hold_s (past the session 
 BROKER_RESTART = "broker_restart"        # the broker SIGKILLed, down hold_s, started on its data again
 MEMBER_JOIN = "member_join"              # a second member joins the group for hold_s, then leaves
 KILL_IN_REBALANCE = "kill_in_rebalance"  # SIGKILL while a second member is joining (a rebalance)
+DISK_FULL = "disk_full"                  # the checkpoint disk fills: the trainer stops with an error
 KILLS = (KILL, KILL_IN_CHECKPOINT, KILL_IN_REBALANCE)
 
 
@@ -42,6 +43,7 @@ class ScheduleSpec:
     pauses: int = 1
     broker_restarts: int = 1
     member_joins: int = 1
+    disk_fulls: int = 0                  # needs root (a size-capped tmpfs for the checkpoints)
     max_gap_s: float = 3.0               # longest wait before a fault (once the attempt trains)
     pause_s: float = 8.0                 # > the session timeout: the group drops the paused member
     outage_s: float = 3.0
@@ -56,7 +58,8 @@ def make_schedule(spec: ScheduleSpec, seed: int) -> list[Fault]:
         raise ValueError("checkpoint_kills + rebalance_kills must leave one plain kill (the start-up one)")
     rest = ([KILL] * (spec.kills - spec.checkpoint_kills - spec.rebalance_kills - 1)
             + [KILL_IN_CHECKPOINT] * spec.checkpoint_kills + [KILL_IN_REBALANCE] * spec.rebalance_kills
-            + [PAUSE] * spec.pauses + [BROKER_RESTART] * spec.broker_restarts + [MEMBER_JOIN] * spec.member_joins)
+            + [PAUSE] * spec.pauses + [BROKER_RESTART] * spec.broker_restarts + [MEMBER_JOIN] * spec.member_joins
+            + [DISK_FULL] * spec.disk_fulls)
     rng.shuffle(rest)
     faults = [Fault(KILL, round(rng.uniform(0.3, 2.0), 2))] if spec.kills else []
     holds = {PAUSE: spec.pause_s, BROKER_RESTART: spec.outage_s, MEMBER_JOIN: spec.member_s,

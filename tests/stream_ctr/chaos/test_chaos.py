@@ -4,14 +4,15 @@ The same code as the command (`run_chaos`): 100,000 records into 3
 partitions, arriving over 2 minutes while 10 SIGKILLs (one during start-up,
 three inside checkpoint writes, one while a second member joins), a
 SIGSTOP/SIGCONT pause past the session timeout, a broker restart that keeps
-its data and a second group member joining and leaving strike; malformed
-messages at 1%.  About 3.5 minutes here.  Every check must hold: exactly once, every malformed message
+its data, a second group member joining and leaving, and (as root) a full
+checkpoint disk strike; malformed messages at 1%.  About 3.5 minutes here.  Every check must hold: exactly once, every malformed message
 dead-lettered, the model bit-identical to the fault-free run's, every
 checkpoint readable.  A longer schedule is the documented command in
 BENCHMARKS.md.
 """
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -49,8 +50,10 @@ def test_every_malformed_kind_is_rejected_never_trained():
 
 def test_a_seeded_chaos_run_verifies_exactly_once_and_the_fault_free_model(tmp_path):
     cfg = ChaosConfig(seed=SEED, records=100_000, partitions=3, bad_rate=0.01, produce_s=120.0,
+                      # A full checkpoint disk needs a tmpfs mounted: root only (CI runs as root).
                       schedule=ScheduleSpec(kills=10, checkpoint_kills=3, rebalance_kills=1, pauses=1,
-                                            broker_restarts=1, member_joins=1),
+                                            broker_restarts=1, member_joins=1,
+                                            disk_fulls=int(os.geteuid() == 0)),
                       work_dir=str(tmp_path / "chaos"))
     lines: list[str] = []
     report = run_chaos(cfg, lines.append)
