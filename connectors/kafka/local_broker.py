@@ -109,32 +109,39 @@ class LocalBroker:
             self.warm_partitions()
         return self
 
-    def warm_partitions(self, settle_s: float = 1.0, timeout_s: float = 20.0) -> int:
-        """Fetch from every partition once after a restart on s3:// storage; returns how many
-        gave records.  Why: tansu 0.6.0 learns a partition's end from its stored batches
-        only when it is first read; a produce that comes first is written at offset 0,
-        over the records kept there (seen here: 300 records, restart, 300 more -> the
-        first 300 gone).  Call it before anything produces again."""
+    def warm_partitions(self, timeout_s: float = 120.0) -> int:
+        """Fetch once from every partition that holds records, after a (re)start on s3://
+        storage; returns how many.  Why: tansu 0.6.0 learns a partition's end from its
+        stored batches only when it is first read; a produce that comes first is written
+        at offset 0, over the records kept there (seen here: 300 records, restart, 300
+        more -> the first 300 gone).  Call it before anything produces again.  Which
+        partitions hold records: those whose end offset is above 0 (tansu's end offset
+        is wrong, but not 0, for a partition with records).  BrokerError if one does not
+        answer within `timeout_s` (a large partition's first read lists all its batches)."""
         from kafka import KafkaConsumer, TopicPartition
         consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None, enable_auto_commit=False)
         try:
             tps = [TopicPartition(t, p) for t in sorted(consumer.topics())
                    for p in sorted(consumer.partitions_for_topic(t) or ())]
-            if not tps:
+            ends = consumer.end_offsets(tps) if tps else {}
+            left = {tp for tp in tps if ends.get(tp)}
+            if not left:
                 return 0
-            consumer.assign(tps)
-            consumer.seek_to_beginning(*tps)
-            seen: set = set()
-            deadline, quiet_since = time.monotonic() + timeout_s, time.monotonic()
-            while time.monotonic() < deadline and len(seen) < len(tps) \
-                    and time.monotonic() - quiet_since < settle_s:
-                fetched = consumer.poll(timeout_ms=200, max_records=1)
-                new = set(fetched) - seen
-                if new:
-                    seen |= new
-                    consumer.pause(*new)        # one fetch each is enough
-                    quiet_since = time.monotonic()
-            return len(seen)
+            consumer.assign(sorted(left))
+            consumer.seek_to_beginning(*left)
+            deadline = time.monotonic() + timeout_s
+            warmed = 0
+            while left:
+                if time.monotonic() > deadline:
+                    raise BrokerError(f"tansu on {self.bootstrap} did not serve "
+                                      f"{', '.join(f'{tp.topic}/{tp.partition}' for tp in sorted(left))} "
+                                      f"within {timeout_s:.0f} s of a restart")
+                answered = set(consumer.poll(timeout_ms=500, max_records=1)) & left
+                if answered:
+                    consumer.pause(*answered)       # one fetch each is enough
+                    left -= answered
+                    warmed += len(answered)
+            return warmed
         finally:
             consumer.close()
 
