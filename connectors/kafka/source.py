@@ -16,6 +16,9 @@ partition is positioned (in this order) at: the checkpoint's position (the
 first assignment after start only), the position this process last trained to
 before a rebalance took the partition away (or the group's committed offset
 if that is further), the group's committed offset, else `options.start`.
+A broker that cannot answer for the group's offsets longer than
+`options.commit_timeout_s` does not stall partitions with a position of the
+first two kinds: they go on from it (logged).
 After a crash the trainer restarts from its checkpoint and re-reads exactly
 the records after it.
 
@@ -185,6 +188,7 @@ class KafkaSource:
         self._watch = BrokerWatch(url, self.stats)
         self._listener_error: BaseException | None = None
         self._highwater: dict[str, int] = {}         # per partition, from the last fetch response
+        self._offsets_unreadable_since: float | None = None   # the group's offsets fail to load since
         self._consumer = connect_consumer(url)
         # Every partition of the topics at start (connect_consumer checked they exist).
         self.partition_names: tuple[str, ...] = tuple(
@@ -519,8 +523,21 @@ class KafkaSource:
             starts = self._start_positions([n for n in names if committed[n] is None
                                             and n not in self._initial and n not in self._book.released])
         except KafkaError as e:
-            log.warning("kafka: cannot position %s yet (%s); retrying", ", ".join(names), e)
-            return
+            # The checkpoint is the truth: when the broker cannot tell the group's offsets
+            # for longer than a commit may take (seen: tansu with a stored offset a killed
+            # broker left empty), partitions this trainer has its own position for go on
+            # from it rather than waiting forever.
+            now = time.monotonic()
+            self._offsets_unreadable_since = self._offsets_unreadable_since or now
+            own = all(n in self._initial or n in self._book.released for n in names)
+            if not own or now - self._offsets_unreadable_since < self.options.commit_timeout_s:
+                log.warning("kafka: cannot position %s yet (%s); retrying", ", ".join(names), e)
+                return
+            log.warning("kafka: the group's offsets of %s are unreadable for %.0f s (%s); going on "
+                        "from this trainer's own positions (its checkpoint's)", ", ".join(names),
+                        now - self._offsets_unreadable_since, e)
+            committed, starts = {n: None for n in names}, {}
+        self._offsets_unreadable_since = None
         for name in names:
             c = committed[name]
             group = (c.offset, parse_commit_metadata(c.metadata)) if c is not None and c.offset >= 0 else None
