@@ -26,6 +26,7 @@ import pytest
 from stream_ctr.connectors.kafka.options import KafkaOptions, parse_kafka_url
 from stream_ctr.connectors.kafka.local_broker import LocalBroker
 from stream_ctr.connectors.kafka.local_s3 import LocalS3
+from stream_ctr.connectors.kafka.positions import committed_offsets
 
 TEST_KAFKA = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000, "connect_timeout_s": 10.0,
               "reconnect_backoff_max_s": 1.0, "commit_timeout_s": 10.0}
@@ -88,18 +89,7 @@ class KafkaHelper:
 
     def committed(self, group: str, topic: str, partitions: int) -> dict[str, int]:
         """The committed offsets of `url(topic, group)`'s group as {"topic/p": offset}."""
-        from kafka import KafkaConsumer, TopicPartition
-        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, group_id=self.group(group, topic),
-                                 enable_auto_commit=False)
-        try:
-            out = {}
-            for p in range(partitions):
-                offset = consumer.committed(TopicPartition(topic, p))
-                if offset is not None:
-                    out[f"{topic}/{p}"] = offset
-            return out
-        finally:
-            consumer.close(autocommit=False)
+        return committed_offsets(self.bootstrap, self.group(group, topic), topic, partitions)
 
     def read_all(self, topic: str, partitions: int = 1, idle_ms: int = 3000) -> list:
         """Every record of `topic` (ConsumerRecords), partition by partition."""

@@ -208,6 +208,22 @@ class PositionBook:
                 empty.difference_update([o for o in empty if o < self.trained[name][0]])
 
 
+def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int) -> dict[str, int]:
+    """The group's committed offsets of `topic` as {"topic/p": offset} (partitions with
+    none are absent), read with a consumer that joins no group and commits nothing."""
+    from kafka import KafkaConsumer, TopicPartition
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    try:
+        out = {}
+        for p in range(partitions):
+            offset = consumer.committed(TopicPartition(topic, p))
+            if offset is not None:
+                out[f"{topic}/{p}"] = offset
+        return out
+    finally:
+        consumer.close(autocommit=False)
+
+
 def _take(batch: Batch, rows: np.ndarray) -> Batch:
     return batch.take(rows)       # multi-hot (jagged) fields included
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from stream_ctr.chaos.stream import KnownStream
+from stream_ctr.connectors.kafka.positions import committed_offsets
 from stream_ctr.config import Config
 from stream_ctr.serving.export import tiered_rows
 from stream_ctr.train.checkpoint import CheckpointError, CheckpointState, load_checkpoint
@@ -73,20 +74,6 @@ def _all_rows(store: dict, cfg: Config) -> tuple[np.ndarray, np.ndarray]:
     if not chunks:
         return np.zeros(0, np.uint64), np.zeros((0, 0), np.float32)
     return np.concatenate([k for k, _ in chunks]), np.concatenate([r for _, r in chunks])
-
-
-def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int) -> dict[str, int]:
-    from kafka import KafkaConsumer, TopicPartition
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
-    try:
-        out = {}
-        for p in range(partitions):
-            offset = consumer.committed(TopicPartition(topic, p))
-            if offset is not None:
-                out[f"{topic}/{p}"] = offset
-        return out
-    finally:
-        consumer.close(autocommit=False)
 
 
 def dead_letters(bootstrap: str, topic: str, idle_ms: int = 4000) -> Counter:
