@@ -6,7 +6,7 @@ import json
 import random
 import sys
 
-from stream_ctr.chaos.harness import ChaosConfig, run_chaos
+from stream_ctr.chaos.harness import ChaosConfig, ChaosError, run_chaos
 from stream_ctr.chaos.schedule import ScheduleSpec
 
 EPILOG = """examples:
@@ -76,7 +76,11 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     def say(line: str) -> None:
         if not args.quiet or line.startswith("chaos: seed"):
             print(line, file=sys.stderr, flush=True)
-    report = run_chaos(cfg, say)
+    try:
+        report = run_chaos(cfg, say)
+    except ChaosError as e:
+        print(e, file=sys.stderr, flush=True)
+        return 3                # EXIT_DATA: the broker (the source) did not come back
     if args.json:
         print(json.dumps(report.as_dict()), flush=True)
     return 0 if report.ok else 1

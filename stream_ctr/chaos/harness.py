@@ -255,6 +255,10 @@ def apply_fault(fault: Fault, trainers: Trainers, broker, run_dir: Path, bootstr
     return done
 
 
+class ChaosError(RuntimeError):
+    """The harness itself could not go on (a fault it applies failed): no verdict on the trainer."""
+
+
 def run_chaos(cfg: ChaosConfig, say: Callable[[str], None] = print) -> ChaosReport:
     """Produce (live, over `produce_s`), train under the seeded faults, train a fault-free
 reference on the same stream, verify."""
@@ -270,6 +274,7 @@ reference on the same stream, verify."""
     with contextlib.ExitStack() as stack:
         s3 = stack.enter_context(LocalS3(work / "s3" / "data"))
         broker = LocalBroker(log_dir=work / "broker", s3=s3).start()
+        trainers = None
         try:
             topic = f"chaos-{cfg.seed}"
             producer = StreamProducer(broker.bootstrap, topic, cfg.records, cfg.partitions, cfg.bad_rate,
@@ -291,9 +296,15 @@ reference on the same stream, verify."""
                 if i:       # after the start-up kill, faults strike an attempt that is training
                     wait_for_progress(trainers, run_dir, base)
                 time.sleep(fault.after_s)
-                with producer.lock if fault.kind == BROKER_RESTART else contextlib.nullcontext():
-                    applied.append(apply_fault(fault, trainers, broker, run_dir, broker.bootstrap, topic,
-                                               "chaos", disk))
+                try:
+                    with producer.lock if fault.kind == BROKER_RESTART else contextlib.nullcontext():
+                        applied.append(apply_fault(fault, trainers, broker, run_dir, broker.bootstrap, topic,
+                                                   "chaos", disk))
+                except Exception as e:
+                    raise ChaosError(f"chaos: seed {cfg.seed}: {fault.describe()} (fault {i + 1} of "
+                                     f"{len(faults)}) could not be applied: {type(e).__name__}: {e}. The "
+                                     f"broker's logs are in {work / 'broker'}, the trainers' in {logs}; "
+                                     f"nothing was verified") from e
                 inside, error = applied[-1].get("inside_checkpoint_write"), applied[-1].get("error")
                 say(f"chaos: {fault.describe()}: attempt {trainers.started}, checkpointed records "
                     f"{applied[-1]['checkpointed_records']}"
@@ -319,6 +330,8 @@ reference on the same stream, verify."""
                                     f"{clear} of {len(fulls)} full disks stopped the trainer with one clear "
                                     f"error (exit 4, the path, the MiB needed); each resumed"))
         finally:
+            if trainers is not None:        # never leave a trainer of ours running
+                trainers.kill()
             broker.stop()
     report = ChaosReport(cfg.seed, cfg.records, cfg.partitions, stream.bad_by_kind(), applied,
                          trainers.started, checks, time.monotonic() - t0, str(work))
