@@ -27,8 +27,8 @@ it trained on that its base did not.
 With `--publish kafka://HOST:PORT/TOPIC` the versions are written into
 RUN_DIR/published as above and then sent to the topic (kafka_publish.py).
 
-Costs: one `torch.unique` of each batch's keys on the training thread (the
-touched set, compacted when it grows), and a checkpoint + a write of the
+Costs: each step's unique keys (the trainer's working set, no second unique) kept
+until the next publish (the touched set, compacted when it grows), and a checkpoint + a write of the
 touched rows per publish. One publisher per directory (an flock).
 """
 from __future__ import annotations
@@ -48,7 +48,6 @@ from stream_ctr.config import Config, ConfigError
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.formats import RecordFormat
 from stream_ctr.connectors.schema import Schema
-from stream_ctr.models.field_inputs import batch_keys
 from stream_ctr.serving.bundle import BundleError, BundleWriter
 from stream_ctr.serving.kafka_publish import KafkaSink, is_kafka_target
 from stream_ctr.serving.export import CHUNK_ROWS, bundle_manifest, dense_weights, export_bundle
@@ -106,9 +105,12 @@ class Publisher:
         """The stamp of the next batch the loop takes (call once per batch, in order)."""
         return self._arrivals.popleft() if self._arrivals else time.time()
 
-    def trained(self, batch: Batch, arrived_s: float) -> None:
-        """`batch` (stamped `arrived_s`) was trained: its keys' rows go in the next delta."""
-        keys = torch.unique(torch.from_numpy(batch_keys(batch)))
+    def trained(self, batch: Batch, keys: torch.Tensor | None, arrived_s: float) -> None:
+        """`batch` (stamped `arrived_s`) was trained, updating the rows of `keys` (the step's
+        unique keys, `StepResult.keys`; None for a skipped step): they go in the next delta."""
+        if keys is None:
+            keys = torch.zeros(0, dtype=torch.int64)
+        keys = keys.cpu()
         self._touched.append(keys)
         self._touched_count += keys.numel()
         if self._touched_count > COMPACT_KEYS and len(self._touched) > 1:

@@ -424,7 +424,7 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
                     # Step: its forward pass scores the batch before the update (prequential).
                     result = run.trainer.train_step(batch, upcoming)
                     if run.publisher is not None:   # its rows go in the next published delta
-                        run.publisher.trained(batch, arrived_s)
+                        run.publisher.trained(batch, result.keys, arrived_s)
                     # Evaluate and advance the resume point past this batch.
                     acc = run.record_and_report(batch, result)
                     progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss,

@@ -56,6 +56,9 @@ class StepResult:
     clip_ratio_le: torch.Tensor | None = None
     clip_ratio_sum: torch.Tensor | None = None
     clip_rows: int = 0              # the rows the update saw (owned rows, when sharded)
+    # The unique keys whose rows this step updated (on the step's device; None when skipped):
+    # what a publisher puts in the next delta, without a second unique of the batch's keys.
+    keys: torch.Tensor | None = None
 
     def clip_ratio(self) -> tuple[np.ndarray, float, int] | None:
         """(cumulative counts per edge, sum of ratios, rows) on the host, or None."""
@@ -273,7 +276,7 @@ class Trainer:
         return StepResult(torch.sigmoid(logits.detach()), loss.detach(), skipped, int(uniq.numel()),
                           clip.rows_clipped, clip.rows_at_floor,
                           {"prepare": t1 - t0, "forward_backward": t2 - t1, "update": t3 - t2},
-                          clip.ratio_le, clip.ratio_sum, clip.rows_present)
+                          clip.ratio_le, clip.ratio_sum, clip.rows_present, uniq)
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:
