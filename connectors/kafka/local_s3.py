@@ -13,6 +13,9 @@ and `local_broker` refuses an ``s3://`` engine without it.
 s3rver is found at ``$STREAM_CTR_S3RVER`` or in ``~/.cache/stream-ctr/s3rver``;
 if it is in neither, `s3rver_binary` installs it there with npm (the registry's
 ``s3rver@3.7.1``, 14 MB; node and npm are Debian's ``nodejs`` and ``npm``).
+It runs through ``s3rver_atomic.js`` beside this file, which makes a PUT
+replace its object whole or not at all: a broker killed mid-write would
+otherwise leave a truncated object that its next start cannot read.
 """
 from __future__ import annotations
 
@@ -100,8 +103,15 @@ class LocalS3:
         # (a partition's record batches, after a while) failed with a 500.
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(self.data_dir),
                "NODE_OPTIONS": "--openssl-legacy-provider"}
+        node = shutil.which("node")
+        if node is None:
+            raise S3Error("s3rver needs node on PATH: apt-get install nodejs")
+        # the package directory behind the executable (node_modules/.bin/s3rver is a link
+        # into node_modules/s3rver/bin/)
+        env["S3RVER_PACKAGE_DIR"] = str(s3rver_binary().resolve().parent.parent)
         self._proc = subprocess.Popen(
-            [str(s3rver_binary()), "-d", str(self.data_dir), "-a", "127.0.0.1", "-p", str(self.port),
+            [node, str(Path(__file__).with_name("s3rver_atomic.js")),
+             "-d", str(self.data_dir), "-a", "127.0.0.1", "-p", str(self.port),
              "--silent", "--configure-bucket", BUCKET],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         log.close()
