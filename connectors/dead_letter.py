@@ -30,8 +30,9 @@ class DeadLetterFile:
         self._file = open(self.path, "a", encoding="utf-8")
         self.counts: Counter[str] = Counter()      # reason -> records written by this sink
 
-    def write(self, rejected: list[Rejected]) -> None:
-        """Append the records and flush; counts them by reason."""
+    def write(self, rejected: list[Rejected], stop=None) -> None:
+        """Append the records and flush; counts them by reason.  (`stop`: as the
+        dead-letter topic's; a file write does not wait on anyone.)"""
         if not rejected:
             return
         if self._file is None:

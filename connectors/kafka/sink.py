@@ -11,7 +11,10 @@ A dead-letter message is one rejected record::
 a packed message share it).  `write()` returns only once the broker has
 acknowledged every record (retrying through outages), so a record is never
 checkpointed past without being on the dead-letter topic.  It is at-least-once:
-records re-read after a crash are dead-lettered again.
+records re-read after a crash are dead-lettered again.  A stop asked for while
+it retries (SIGTERM with the broker down) ends the wait with `DeadLetterUnsent`:
+the batch those records came with is not trained, so the checkpoint stays
+before them and a resumed run reads them again.
 
 A record longer than `RAW_LIMIT_BYTES` keeps only its first bytes in `raw`,
 with ``"raw_bytes"`` (its length) and ``"raw_sha256"``: one oversized bad line
@@ -41,6 +44,11 @@ RAW_LIMIT_BYTES = 64 << 10        # of a rejected record kept in its dead-letter
 # producer (a new producer id) sends the records again.
 _PRODUCER_STATE_ERRORS = ("OutOfOrderSequenceNumberError", "UnknownProducerIdError",
                           "InvalidProducerEpochError")
+FLUSH_SLICE_S = 1.0               # how often a waiting write looks for a stop
+
+
+class DeadLetterUnsent(RuntimeError):
+    """A stop came while rejected records were still unacknowledged by the broker."""
 
 
 def make_producer(url: KafkaUrl, **settings):
@@ -120,9 +128,15 @@ class KafkaDeadLetter:
         self._url = url
         self._producer = make_producer(url, acks="all", linger_ms=0)
         self.counts: Counter[str] = Counter()
+        self._unsent = 0                # records a stop left unacknowledged (see write)
 
-    def write(self, rejected: list[Rejected]) -> None:
-        """Produce the records; blocks until the broker acknowledged all of them."""
+    def write(self, rejected: list[Rejected], stop=None) -> None:
+        """Produce the records; blocks until the broker acknowledged all of them.
+
+        `stop` (anything with a ``requested`` flag, e.g. the run's StopSignal) is
+        looked at about once a second while the broker does not answer: once it is
+        set, `DeadLetterUnsent` is raised instead of waiting on (the caller must not
+        train or checkpoint past these records)."""
         if not rejected:
             return
         if self._producer is None:
@@ -137,7 +151,7 @@ class KafkaDeadLetter:
                     sends.append((r, self._send(r)))
                 except KafkaError as e:         # refused before sending (e.g. too large)
                     failed.append((r, e))
-            self._producer.flush()
+            self._flush(len(pending), stop)
             failed += [(r, future.exception) for r, future in sends if future.failed()]
             stale = [type(e).__name__ for _, e in failed if type(e).__name__ in _PRODUCER_STATE_ERRORS]
             if stale:
@@ -159,9 +173,28 @@ class KafkaDeadLetter:
             if pending:
                 log.warning("kafka: %d dead-letter records not acknowledged (%s); retrying in %.1f s",
                             len(pending), failed[0][1], delay)
+                self._stop_if_asked(len(pending), stop)
                 time.sleep(delay)
                 delay = min(delay * 2, self._retry_max_s)
         self.counts.update(r.reason for r in rejected)
+
+    def _flush(self, records: int, stop) -> None:
+        """Wait for every send to end (acknowledged or failed), or for a stop."""
+        from kafka.errors import KafkaTimeoutError
+        while True:
+            try:
+                self._producer.flush(timeout=FLUSH_SLICE_S if stop is not None else None)
+                return
+            except KafkaTimeoutError:
+                self._stop_if_asked(records, stop)
+
+    def _stop_if_asked(self, records: int, stop) -> None:
+        if stop is not None and stop.requested:
+            self._unsent = records
+            raise DeadLetterUnsent(
+                f"dead-letter topic {self.topic}: stopping with {records} rejected records not "
+                f"acknowledged by the broker; the batch they came with was not trained, so a "
+                f"resumed run reads and dead-letters them again")
 
     def _send(self, r: Rejected):
         topic, partition = split_partition_name(r.partition)
@@ -179,9 +212,18 @@ class KafkaDeadLetter:
         return sum(self.counts.values())
 
     def close(self) -> None:
-        if self._producer is not None:
-            self._producer.close(timeout=30)
-            self._producer = None
+        """Close the producer. Every record `write` returned for is acknowledged
+        already; records a stop left unsent get one more second (their batch was
+        not trained, so a resumed run dead-letters them again)."""
+        from kafka.errors import KafkaError
+        producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        try:
+            producer.close(timeout=1 if self._unsent else 30)
+        except KafkaError as e:
+            log.warning("kafka: dead-letter topic %s: closing the producer: %s: %s",
+                        self.topic, type(e).__name__, e)
 
     def __enter__(self) -> "KafkaDeadLetter":
         return self

@@ -1,13 +1,15 @@
 """Where a run's batches come from, and how it is told to stop.
 
 `micro_batches` cuts a file source into full batches (dead-lettering its bad
-lines in step); `LookAhead` holds the next batch so a tiered store can prefetch
+lines in step); `dead_letter_or_stop` is a stream's dead-letter write that a
+stop can end; `LookAhead` holds the next batch so a tiered store can prefetch
 its rows; `StopSignal` turns SIGTERM / Ctrl-C into a request to finish the
 batch, checkpoint and exit. Kafka sources have their own batcher
 (`stream_ctr.train.streaming`).
 """
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -17,6 +19,7 @@ from stream_ctr.connectors.batch import Batch, Rejected
 from stream_ctr.connectors.dead_letter import DeadLetterFile
 from stream_ctr.connectors.files import FileSource
 from stream_ctr.connectors.kafka.positions import filter_partitions
+from stream_ctr.connectors.kafka.sink import DeadLetterUnsent
 from stream_ctr.telemetry.monitor import RunMonitor
 from stream_ctr.train.batcher import MicroBatcher
 
@@ -97,6 +100,22 @@ class LookAhead:
     def discard(self, partitions: list[str]) -> None:
         if self._held is not None:
             self._held = filter_partitions(self._held, set(partitions))
+
+
+log = logging.getLogger("stream_ctr.train")
+
+
+def dead_letter_or_stop(dead_letter, rejected: list[Rejected], stop: "StopSignal") -> bool:
+    """Dead-letter `rejected`; False when a stop came while the dead-letter topic's
+    broker did not answer. The caller then trains nothing more: its checkpoint
+    stays before those records, and a resumed run reads them again. Without
+    this, a SIGTERM to a trainer whose broker is gone waited forever."""
+    try:
+        dead_letter.write(rejected, stop)
+        return True
+    except DeadLetterUnsent as e:
+        log.warning("%s", e)
+        return False
 
 
 class StopSignal:

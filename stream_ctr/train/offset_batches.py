@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from stream_ctr.connectors.batch import Batch
+from stream_ctr.train.batches import dead_letter_or_stop
 
 if TYPE_CHECKING:
     from stream_ctr.connectors.kafka.source import KafkaSource
@@ -326,5 +327,6 @@ def offset_ordered_batches(source: "KafkaSource", batcher: OffsetOrderBatcher, d
         chunk, rejected = source.read(batcher.batch_size)
         if monitor is not None:
             monitor.on_read(chunk, rejected, time.perf_counter() - t0)
-        dead_letter.write(rejected)
+        if not dead_letter_or_stop(dead_letter, rejected, stop):
+            return
         batcher.add(chunk)

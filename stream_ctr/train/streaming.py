@@ -29,6 +29,7 @@ from stream_ctr.connectors.schema import Schema, parse_schema
 from stream_ctr.connectors.kafka.options import KafkaUrl, is_kafka_url, parse_kafka_url
 from stream_ctr.connectors.kafka.positions import filter_partitions
 from stream_ctr.train.batcher import MicroBatcher
+from stream_ctr.train.batches import dead_letter_or_stop
 from stream_ctr.train.offset_batches import JOURNAL_NAME, CutJournal, OffsetOrderBatcher, offset_ordered_batches
 from stream_ctr.config import Config, ConfigError
 
@@ -106,7 +107,8 @@ def stream_batches(source: "KafkaSource", batcher: StreamBatcher | OffsetOrderBa
         chunk, rejected = source.read(max(1, batcher.batch_size - batcher.pending_rows))
         if monitor is not None:
             monitor.on_read(chunk, rejected, time.perf_counter() - t0)
-        dead_letter.write(rejected)
+        if not dead_letter_or_stop(dead_letter, rejected, stop):
+            return
         ready = batcher.add(chunk)
         pending = batcher.pending_rows
         if pending and (

@@ -1,0 +1,62 @@
+"""A stop ends a dead-letter write whose broker never acknowledges, and nothing is skipped.
+
+Found in a long chaos run: a trainer whose broker came back broken retried its
+dead-letter write forever and ignored a supervisor's SIGTERM for 21 minutes.
+The write now looks at the stop about once a second; the batch those records
+came with is then not trained, so the checkpoint stays before them and a
+resumed run reads (and dead-letters) them again.
+"""
+from __future__ import annotations
+
+import gzip
+import threading
+
+import pytest
+
+from stream_ctr.connectors.batch import Rejected
+from stream_ctr.connectors.files import SAMPLE_PATHS
+from stream_ctr.connectors.kafka.local_broker import LocalBroker
+from stream_ctr.connectors.kafka.options import parse_kafka_url
+from stream_ctr.connectors.kafka.sink import DeadLetterUnsent, KafkaDeadLetter
+from stream_ctr.connectors.kafka.source import KafkaSource
+from stream_ctr.train.batches import StopSignal
+from stream_ctr.train.streaming import StreamBatcher, stream_batches
+from tests.kafka_broker import kafka_test_options
+
+
+@pytest.fixture
+def dead_letter_with_its_broker_gone(tmp_path):
+    """A dead-letter topic on a broker of its own, killed after the producer connected."""
+    broker = LocalBroker(log_dir=tmp_path / "dlq-broker").start()
+    url = parse_kafka_url(f"kafka://{broker.bootstrap}/dlq", kafka_test_options())
+    sink = KafkaDeadLetter(url, "dlq")
+    broker.stop(kill=True)
+    yield sink
+    sink.close()                                # bounded: the producer's close has a timeout
+
+
+def stop_after(seconds: float) -> StopSignal:
+    stop = StopSignal()                         # not entered: no signal handlers in a test
+    threading.Timer(seconds, lambda: setattr(stop, "requested", True)).start()
+    return stop
+
+
+def test_a_stop_ends_the_wait_for_an_acknowledgement(dead_letter_with_its_broker_gone):
+    sink = dead_letter_with_its_broker_gone
+    rejected = [Rejected("clicks/0", 7, "field_count", b"1\t2"), Rejected("clicks/1", 9, "bad_label", b"x")]
+    with pytest.raises(DeadLetterUnsent, match="stopping with 2 rejected records not acknowledged"):
+        sink.write(rejected, stop_after(2.0))
+    assert sink.total == 0                      # nothing counted as dead-lettered
+
+
+def test_the_batch_of_unsent_dead_letters_is_not_trained(kafka, dead_letter_with_its_broker_gone):
+    lines = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:300]
+    topic = kafka.topic()
+    kafka.produce(topic, lines[:100] + [b"not\ta\tcriteo\tline"] + lines[100:300])
+    url = parse_kafka_url(kafka.url(topic, "stop"), kafka_test_options(stop_when_idle_s=60))
+    with KafkaSource(url) as source:
+        batches = list(stream_batches(source, StreamBatcher(256), dead_letter_with_its_broker_gone,
+                                      -1, 1e9, stop_after(3.0)))
+    # 300 good rows would make a batch of 256; the rows read with the bad record are
+    # dropped with it, so nothing past the record that was never dead-lettered trains.
+    assert batches == []
