@@ -19,6 +19,8 @@ own passed with ``--schema``::
     kind = "categorical"       # any scalar, hashed with its field to a 63-bit key
     default = "none"           # a missing value takes this value ...
     # optional = true          # ... or is its own value (the field's "missing" key, 0.0 dense)
+    # embed_dim = 32           # this field's embedding width, a multiple of model.embed_dim
+                               # (default: model.embed_dim); any embedded field or cross
 
     [schema.fields.os]
     kind = "categorical"
@@ -62,6 +64,14 @@ a categorical value is hashed, with field id ``n_keys + j``.  ``dense`` are
 the other numeric fields in declared order.  Exactly one label is required.
 A multi-hot element must be a string, number or boolean; anything else
 (null, a list, an object) rejects the record as ``bad_value:FIELD``.
+
+A field's `embed_dim` of k x model.embed_dim is stored as k rows of the
+store's one width, under the field's key and k - 1 keys derived from it
+(`stream_ctr.models.field_inputs`): memory grows with each field's own width,
+and the store, its tiers, shards and checkpoints are unchanged.  The model
+sees the k rows as k fields side by side: the DNN and cross nets read the
+field's whole k x d vector; DeepFM's FM term pairs the sums of two fields'
+rows.
 
 A missing value (JSON: absent or null; csv: an empty field) takes the field's
 `default`; a field with ``optional = true`` gives its own "missing" key (or
@@ -119,6 +129,7 @@ class CategoricalField:
     path: str
     default: Scalar | None = None
     optional: bool = False
+    embed_dim: int = 0                      # 0: model.embed_dim; else a multiple of it
     kind: str = "categorical"
 
 
@@ -132,6 +143,7 @@ class NumericField:
     boundaries: tuple[float, ...] | str = ()  # bucketize: sorted edges, or LOG_SQUARED
     default: float | None = None
     optional: bool = False
+    embed_dim: int = 0                      # bucketize only: as a categorical field's
     kind: str = "numeric"
 
     @property
@@ -153,6 +165,7 @@ class EventTimeField:
 class TimePartField:
     name: str
     part: str                               # hour_of_day | day_of_week (UTC, Monday = 0)
+    embed_dim: int = 0
     kind: str = "time_part"
 
     @property
@@ -168,6 +181,7 @@ class MultiHotField:
     pooling: str = "sum"                    # sum | mean
     separator: str = "|"                    # csv: the element separator inside the field
     optional: bool = False                  # JSON: missing (absent/null) is an empty list
+    embed_dim: int = 0
     kind: str = "multi_hot"
 
 
@@ -182,6 +196,7 @@ class IgnoreField:
 class Cross:
     name: str
     fields: tuple[str, ...]                 # names of key fields
+    embed_dim: int = 0
 
 
 Field = Union[LabelField, WeightField, CategoricalField, NumericField, EventTimeField,
@@ -249,6 +264,13 @@ class Schema:
     def max_keys_per_record(self) -> int:
         """The most keys one record can bring (the store plans its working set from it)."""
         return self.n_keys + sum(f.max_len for f in self.multi_fields)
+
+    @property
+    def embed_dims(self) -> tuple[int, ...]:
+        """Declared embedding width of each model field (key columns, then multi-hot
+        fields); 0 where the field takes model.embed_dim."""
+        return (tuple(f.embed_dim for f in self.fields if is_key_field(f))  # type: ignore[union-attr]
+                + tuple(c.embed_dim for c in self.crosses) + tuple(f.embed_dim for f in self.multi_fields))
 
     # What FileSource and the CLI read of a RecordFormat, so a Schema can stand in for one.
     @property
@@ -390,6 +412,12 @@ def _check_field(f: Field, where: str) -> None:
             time_format_layout(f.format, where)
     if isinstance(f, TimePartField):
         need(f.part in TIME_PARTS, f"part must be one of {', '.join(TIME_PARTS)}, got {f.part!r}")
+    dim = getattr(f, "embed_dim", 0)
+    need(isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0,
+         f"embed_dim must be an integer >= 1 (a multiple of model.embed_dim), got {dim!r}")
+    need(not (dim and isinstance(f, NumericField) and not f.is_key),
+         "embed_dim goes with a field that is embedded: categorical, multi_hot, time_part or a "
+         "bucketized numeric")
     if isinstance(f, MultiHotField):
         need(isinstance(f.max_len, int) and not isinstance(f.max_len, bool) and f.max_len >= 1,
              f"max_len must be an integer >= 1, got {f.max_len!r}")
@@ -432,11 +460,15 @@ def time_format_layout(fmt: str, where: str = "format") -> tuple[tuple[str, int,
 def _parse_cross(name: str, spec: Any, where: str) -> Cross:
     if not isinstance(spec, dict):
         raise SchemaError(f"{where}: must be a table with fields = [...]")
-    _no_unknown(spec, {"fields"}, where)
+    _no_unknown(spec, {"fields", "embed_dim"}, where)
     names = spec.get("fields")
     if not isinstance(names, list) or len(names) < 2 or not all(isinstance(n, str) for n in names):
         raise SchemaError(f"{where}: fields must list two or more key field names")
-    return Cross(name=name, fields=tuple(names))
+    dim = spec.get("embed_dim", 0)
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+        raise SchemaError(f"{where}: embed_dim must be an integer >= 1 (a multiple of "
+                          f"model.embed_dim), got {dim!r}")
+    return Cross(name=name, fields=tuple(names), embed_dim=dim)
 
 
 def _check_whole(schema: Schema, origin: str) -> None:
@@ -511,6 +543,8 @@ def schema_to_toml(schema: Schema, comments: dict[str, str] | None = None) -> st
             out.append(f"{spec.name} = {_toml_value(value)}")
     for c in schema.crosses:
         out += ["", f"[schema.crosses.{_toml_key(c.name)}]", f"fields = {_toml_value(list(c.fields))}"]
+        if c.embed_dim:
+            out.append(f"embed_dim = {c.embed_dim}")
     return "\n".join(out) + "\n"
 
 

@@ -101,7 +101,7 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
     batches = decoded_batches(source, schema, batch_size)
     decode_s = time.perf_counter() - t0
     records = sum(len(b) for b in batches)
-    trainer = Trainer(cfg, fmt.n_model_fields, fmt.n_dense, keys_per_record=fmt.max_keys_per_record)
+    trainer = Trainer.for_format(cfg, fmt)
     phases = {"prepare": 0.0, "forward_backward": 0.0, "update": 0.0}
     warm = batches[0]
     _warm_up(trainer, warm)
@@ -116,7 +116,7 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
     del batches
 
     # Including decoding: a fresh model on the file, the way `train` runs.
-    trainer = Trainer(cfg, fmt.n_model_fields, fmt.n_dense, keys_per_record=fmt.max_keys_per_record)
+    trainer = Trainer.for_format(cfg, fmt)
     _warm_up(trainer, warm)
     t0 = time.perf_counter()
     fmt, p = detect_format(source, schema)
@@ -132,7 +132,7 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
         torch.cuda.synchronize()
     total_s = time.perf_counter() - t0
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    in_features = fmt.n_model_fields * cfg.model.embed_dim + fmt.n_dense
+    in_features = trainer.n_fields * cfg.model.embed_dim + fmt.n_dense
     bare = {p: bare_mlp_samples_per_s(in_features, cfg.model.mlp_dims, batch_size, p, trainer.device)
             for p in ("fp32", "bf16")}
     queue.put({"model": model, "batch_size": batch_size, "records": records,

@@ -13,43 +13,126 @@ model's inputs::
 so DeepFM, W&D, DCN and DCNv2 take n_fields = F + M and need no change.
 The trainer (`Trainer._forward`, `predict`) and the serving `Scorer` share it,
 which keeps their scores bit for bit the same.
+
+Wider fields (a schema's per-field ``embed_dim`` = k x d, `FieldRows`): such a
+field's key brings k rows, its own and k - 1 derived from it (`derive_keys`),
+and counts as k fields side by side, so its whole k x d vector reaches the
+DNN and cross nets while the store keeps one row width.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from stream_ctr.connectors.batch import Batch
+from stream_ctr.connectors.schema import SchemaError
 from stream_ctr.ops.embedding_gather import gather_rows
 from stream_ctr.ops.jagged_pool import jagged_pool
 
-
-def batch_keys(batch: Batch) -> np.ndarray:
-    """int64 [B*F + N_1 + ... + N_M]: fixed keys row-major, then each multi-hot field's values."""
-    if not batch.jagged:
-        return batch.keys.reshape(-1)
-    return np.concatenate([batch.keys.reshape(-1)] + [j.values for j in batch.jagged])
+_SIGN_MASK = np.uint64((1 << 63) - 1)          # keys are 63-bit signs
 
 
-def field_inputs(rows: torch.Tensor, inverse: torch.Tensor, batch: Batch, d: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class FieldRows:
+    """Store rows per model field: k for a field k x model.embed_dim wide."""
+    fixed: tuple[int, ...]                      # per key column (`Batch.keys`)
+    multi: tuple[int, ...]                      # per multi-hot field (`Batch.jagged`)
+
+    @property
+    def n_inputs(self) -> int:
+        """Row-wide fields the model takes: sum of k."""
+        return sum(self.fixed) + sum(self.multi)
+
+    def keys_per_record(self, max_lens: Sequence[int]) -> int:
+        """The most keys one record brings, its multi-hot lists at most `max_lens` long."""
+        return sum(self.fixed) + sum(k * n for k, n in zip(self.multi, max_lens))
+
+
+def field_rows(fmt, embed_dim: int) -> FieldRows | None:
+    """The rows of each field of `fmt` (a Schema's `embed_dims`); None when every field
+    is model.embed_dim wide, as the built-in formats always are."""
+    dims = tuple(getattr(fmt, "embed_dims", ()))
+    if not any(dims):
+        return None
+    names = tuple(fmt.key_fields) + tuple(f.name for f in fmt.multi_fields)
+    rows = []
+    for name, dim in zip(names, dims):
+        if dim % embed_dim:
+            raise SchemaError(f"field {name!r}: embed_dim {dim} is not a multiple of model.embed_dim "
+                              f"{embed_dim}; a field is stored as whole rows of model.embed_dim")
+        rows.append(max(dim // embed_dim, 1))
+    return FieldRows(tuple(rows[:fmt.n_keys]), tuple(rows[fmt.n_keys:]))
+
+
+def model_fields(fmt, embed_dim: int) -> tuple[int, int, FieldRows | None]:
+    """(fields the model takes, the most keys one record brings, `field_rows`) of records
+    of `fmt` (a RecordFormat or Schema): what a Trainer or Scorer is built with."""
+    rows = field_rows(fmt, embed_dim)
+    if rows is None:
+        return fmt.n_model_fields, fmt.max_keys_per_record, None
+    return rows.n_inputs, rows.keys_per_record([f.max_len for f in fmt.multi_fields]), rows
+
+
+def derive_keys(keys: np.ndarray, j: int) -> np.ndarray:
+    """The key of row j (>= 1) of each of `keys` (splitmix64 of key + j * golden ratio):
+    a fixed function, so training and serving find the same rows."""
+    with np.errstate(over="ignore"):
+        z = keys.astype(np.uint64) + np.uint64(j) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z & _SIGN_MASK).astype(np.int64)
+
+
+def _model_keys(batch: Batch, rows: FieldRows | None
+                ) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray, str]]]:
+    """(fixed keys [B, F'], jagged fields [(values, offsets, pooling)] * M'): the batch's
+    keys with each wide field's derived rows beside its own."""
+    jagged = [(j.values, j.offsets, j.pooling) for j in batch.jagged]
+    if rows is None:
+        return batch.keys, jagged
+    cols = []
+    for f, k in enumerate(rows.fixed):
+        column = batch.keys[:, f]
+        cols += [column] + [derive_keys(column, j) for j in range(1, k)]
+    wide = []
+    for (values, offsets, pooling), k in zip(jagged, rows.multi):
+        wide += [(values, offsets, pooling)] + [(derive_keys(values, j), offsets, pooling) for j in range(1, k)]
+    return np.stack(cols, axis=1), wide
+
+
+def batch_keys(batch: Batch, rows: FieldRows | None = None) -> np.ndarray:
+    """int64 [B*F + N_1 + ... + N_M]: fixed keys row-major, then each multi-hot field's
+    values (with `rows`, F and M count each wide field's k rows)."""
+    fixed, jagged = _model_keys(batch, rows)
+    if not jagged:
+        return fixed.reshape(-1)
+    return np.concatenate([fixed.reshape(-1)] + [values for values, _, _ in jagged])
+
+
+def field_inputs(rows: torch.Tensor, inverse: torch.Tensor, batch: Batch, d: int,
+                 field_rows: FieldRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(emb [B, F + M, d], lin [B, F + M]) from unique rows [U, d + 1] and `inverse`, each
-    key's index into them, in `batch_keys` order.
+    key's index into them, in `batch_keys` order (the same `field_rows`).
 
     Fixed fields: embedding and linear columns are split at the unique-row level,
     so the backward of the split touches [U, d+1], not [B, F, d+1].  Multi-hot
     fields pool whole rows (embedding and linear weight together)."""
-    b, f = batch.keys.shape
+    fixed, jagged = _model_keys(batch, field_rows)
+    b, f = fixed.shape
     n_fixed = b * f
     emb = gather_rows(rows[:, :d].contiguous(), inverse[:n_fixed]).view(b, f, d)
     lin = rows[:, d][inverse[:n_fixed]].view(b, f)
-    if not batch.jagged:
+    if not jagged:
         return emb, lin
     pooled, at = [], n_fixed
-    for jag in batch.jagged:
-        n = len(jag.values)
-        offsets = torch.from_numpy(jag.offsets).to(rows.device, non_blocking=True)
-        pooled.append(jagged_pool(rows, inverse[at:at + n], offsets, jag.pooling == "mean"))
+    for values, offsets, pooling in jagged:
+        n = len(values)
+        offsets = torch.from_numpy(offsets).to(rows.device, non_blocking=True)
+        pooled.append(jagged_pool(rows, inverse[at:at + n], offsets, pooling == "mean"))
         at += n
     multi = torch.stack(pooled, dim=1)                          # [B, M, d + 1]
     return torch.cat([emb, multi[:, :, :d]], dim=1), torch.cat([lin, multi[:, :, d]], dim=1)

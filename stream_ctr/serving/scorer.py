@@ -20,8 +20,9 @@ from stream_ctr.config import ModelConfig
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.files import FileSource
 from stream_ctr.connectors.formats import RecordFormat
+from stream_ctr.connectors.schema import SchemaError, parse_schema
 from stream_ctr.models.networks import build_model
-from stream_ctr.models.field_inputs import batch_keys, field_inputs
+from stream_ctr.models.field_inputs import batch_keys, field_inputs, field_rows
 from stream_ctr.serving.bundle import Bundle, BundleError, model_config_fields
 from stream_ctr.serving.table import RowTable
 from stream_ctr.store.embedding import init_rows
@@ -50,7 +51,14 @@ class Scorer:
         if self.table.cols != self.dim + 1:
             raise BundleError(f"{bundle.path}: rows have {self.table.cols} columns, "
                               f"model.embed_dim {self.dim} needs {self.dim + 1}")
-        self.model = build_model(self.model_cfg, self.n_fields, self.n_dense)
+        # A declared schema's wide fields (per-field embed_dim) take k rows each, as in training.
+        schema = (m.get("record_format") or {}).get("schema")
+        try:
+            self.field_rows = field_rows(parse_schema(schema), self.dim) if schema else None
+        except SchemaError as e:
+            raise BundleError(f"{bundle.path}: the manifest's schema: {e}") from None
+        n_inputs = self.field_rows.n_inputs if self.field_rows is not None else self.n_fields
+        self.model = build_model(self.model_cfg, n_inputs, self.n_dense)
         try:
             self.model.load_state_dict(bundle.dense)
         except RuntimeError as e:
@@ -91,9 +99,9 @@ class Scorer:
                               f"the bundle's model takes {self.n_fields} and {self.n_dense} "
                               f"({self.bundle.manifest['record_format']['name']} records)")
         dense = torch.from_numpy(batch.dense).to(self.device)
-        keys = torch.from_numpy(batch_keys(batch)).to(self.device)   # fixed, then multi-hot keys
+        keys = torch.from_numpy(batch_keys(batch, self.field_rows)).to(self.device)  # fixed, then multi-hot
         uniq, inverse = torch.unique(keys, return_inverse=True)
-        emb, lin = field_inputs(self.rows(uniq), inverse, batch, self.dim)
+        emb, lin = field_inputs(self.rows(uniq), inverse, batch, self.dim, self.field_rows)
         with self._autocast():
             logits = self.model(emb, lin, dense)
         return torch.sigmoid(logits.float()).cpu().numpy()

@@ -165,8 +165,7 @@ class Run:
                     f"{done:,}, past where data.holdout_fraction = {cfg.data.holdout_fraction:g} "
                     f"starts the held-out lines ({self.train_end:,}); resume with the run's "
                     f"holdout ({saved.data.holdout_fraction:g}) or train into a new --run-dir")
-        self.trainer = Trainer(cfg, self.fmt.n_model_fields, self.fmt.n_dense,
-                               keys_per_record=self.fmt.max_keys_per_record)
+        self.trainer = Trainer.for_format(cfg, self.fmt)
         self.window = PrequentialWindow(cfg.train.eval_window_records, cfg.train.eval_refresh_s)
         self.positions: dict[str, int] = {}
         self.epoch, self.total_before = 0, 0
@@ -531,8 +530,7 @@ def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str | N
     else:
         start, rows = 0, "all records (the run held none out: it trained on them)"
     configure_torch(cfg)
-    trainer = Trainer(cfg, fmt.n_model_fields, fmt.n_dense, read_only=True,   # never moves a row
-                      keys_per_record=fmt.max_keys_per_record)
+    trainer = Trainer.for_format(cfg, fmt, read_only=True)     # never moves a row
     trainer.load_state_tensors(state.tensors["trainer"])
     acc = evaluate(trainer, path, fmt, start, stop, cfg.data.chunk_records)
     trainer.store.close()

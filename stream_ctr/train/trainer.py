@@ -26,7 +26,7 @@ from stream_ctr.config import Config, resolve_optim
 from stream_ctr.store.embedding import EmbeddingStore
 from stream_ctr.store import build_store
 from stream_ctr.models.networks import build_model
-from stream_ctr.models.field_inputs import batch_keys, field_inputs
+from stream_ctr.models.field_inputs import FieldRows, batch_keys, field_inputs, model_fields
 from stream_ctr.train.precision import autocast, resolve_precision
 
 
@@ -70,15 +70,17 @@ class StepResult:
 class Trainer:
     def __init__(self, cfg: Config, n_fields: int, n_dense: int,
                  store: EmbeddingStore | None = None, read_only: bool = False,
-                 keys_per_record: int | None = None) -> None:
+                 keys_per_record: int | None = None, field_rows: FieldRows | None = None) -> None:
         """`n_fields`: the fields the model sees (key columns + multi-hot fields, the
-        format's `n_model_fields`); `keys_per_record`: the most keys one record brings
-        (`max_keys_per_record`; default n_fields), which sizes the store's working set."""
+        format's `n_model_fields`, each wide field counted k times: `model_fields`);
+        `keys_per_record`: the most keys one record brings (`max_keys_per_record`;
+        default n_fields), which sizes the store's working set; `field_rows`: the
+        rows of each wide field (None: every field one row)."""
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
         self.precision = resolve_precision(cfg.train.precision, self.device)
         self._sync_phases = cfg.train.sync_phases and self.device.type == "cuda"
-        self.n_fields, self.n_dense = n_fields, n_dense
+        self.n_fields, self.n_dense, self.field_rows = n_fields, n_dense, field_rows
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model, n_fields, n_dense).to(self.device)
         # The configured store ([store] kind: memory, or tiered cache/RAM/LMDB);
@@ -194,12 +196,19 @@ class Trainer:
         per_row = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
         return (per_row * w).sum() / w.sum().clamp_min(torch.finfo(w.dtype).tiny)
 
+    @classmethod
+    def for_format(cls, cfg: Config, fmt, **kwargs) -> "Trainer":
+        """A Trainer for records of `fmt` (a RecordFormat or Schema): its fields, each
+        wide one (a schema's per-field embed_dim) counted in rows, and its dense columns."""
+        n_fields, keys_per_record, rows = model_fields(fmt, cfg.model.embed_dim)
+        return cls(cfg, n_fields, fmt.n_dense, keys_per_record=keys_per_record, field_rows=rows, **kwargs)
+
     def _forward(self, rows: torch.Tensor, inverse: torch.Tensor, batch: Batch,
                  dense: torch.Tensor, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Logits from unique rows [U, d+1] and each key's index into them (`batch_keys`
         order: B*F fixed keys, then the multi-hot values), through `field_inputs`:
         the model sees [B, F + M] fields, the M multi-hot ones pooled."""
-        emb, lin = field_inputs(rows, inverse, batch, self.cfg.model.embed_dim)
+        emb, lin = field_inputs(rows, inverse, batch, self.cfg.model.embed_dim, self.field_rows)
         if emb.shape[1] != self.n_fields:
             raise ValueError(f"batch has {batch.n_fields} key and {batch.n_multi} multi-hot fields, "
                              f"the model takes {self.n_fields} fields")
@@ -212,7 +221,7 @@ class Trainer:
         into them, and in-batch counts (CowClip's cnt: every occurrence of an id)."""
         if self._next is not None and self._next[0] is batch:
             return self._next[1]
-        keys = torch.from_numpy(batch_keys(batch)).to(self.device, non_blocking=True)
+        keys = torch.from_numpy(batch_keys(batch, self.field_rows)).to(self.device, non_blocking=True)
         return torch.unique(keys, return_inverse=True, return_counts=True)
 
     def _clock(self) -> float:
@@ -282,7 +291,7 @@ class Trainer:
     def predict(self, batch: Batch) -> np.ndarray:
         """Scores without changing any state (absent keys score with their initial rows)."""
         dense, _ = self._inputs(batch)
-        keys = torch.from_numpy(batch_keys(batch)).to(self.device)
+        keys = torch.from_numpy(batch_keys(batch, self.field_rows)).to(self.device)
         uniq, inverse = torch.unique(keys, return_inverse=True)
         rows = self.store.peek(uniq)
         model = self.eval_model
