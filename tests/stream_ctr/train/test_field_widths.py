@@ -91,11 +91,7 @@ def test_a_wide_field_is_its_rows_side_by_side():
     assert torch.equal(emb[0, 5], row_of[h1][:D] + row_of[h2][:D])    # sum-pooled, derived row
 
 
-@pytest.fixture(scope="module")
-def wide_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("wide")
-    log = tmp / "log.jsonl"
-    write_synthetic_json(log, 4000, seed=3)
+def wide_config(tmp, log) -> Config:
     cfg = Config()
     cfg.model.mlp_dims = (32, 32)
     cfg.data.batch_size = 128
@@ -105,6 +101,15 @@ def wide_run(tmp_path_factory):
     cfg.train.run_dir = str(tmp / "run")
     cfg.train.threads = 1
     cfg.train.device = "cpu"
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def wide_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("wide")
+    log = tmp / "log.jsonl"
+    write_synthetic_json(log, 4000, seed=3)
+    cfg = wide_config(tmp, log)
     return tmp, log, cfg, train(cfg, show_progress=False)
 
 
@@ -133,3 +138,29 @@ def test_a_wide_run_stores_k_rows_per_id_and_serves_bit_for_bit(wide_run):
     assert set(users.tolist()) | set(derive_keys(users, 1).tolist()) | set(derive_keys(users, 2).tolist()) <= stored
     assert set(ads.tolist()) <= stored and not set(derive_keys(ads, 1).tolist()) & stored
     trainer.store.close()
+
+
+def test_a_published_chain_of_a_wide_run_serves_its_final_export(wide_run, tmp_path):
+    """Deltas carry each step's working set, derived rows included: a follower of the
+    chain scores as the final checkpoint's export does."""
+    from stream_ctr.serving.follower import Follower, initial_bundle
+    from stream_ctr.serving.predictor import Predictor
+    from stream_ctr.serving.published import read_index
+    _, log, _, _ = wide_run
+    cfg = wide_config(tmp_path, log)
+    cfg.train.checkpoint_every_batches = 7
+    cfg.serving.publish = str(tmp_path / "pub")
+    cfg.serving.full_every = 3
+    train(cfg, show_progress=False)
+    assert read_index(cfg.serving.publish).chain          # the last version is a delta
+    assert main(["export", cfg.train.run_dir, "--out", str(tmp_path / "final"), "--quiet"]) == 0
+    fmt, path = detect_format(f"json:{log}", cfg.data.schema)
+    with FileSource(path, fmt, start_offset=held_out_start(4000, 0.1)) as src:
+        held, _ = src.read()
+    predictor = Predictor(Scorer(read_bundle(initial_bundle(cfg.serving.publish))))
+    try:
+        Follower(cfg.serving.publish, predictor).poll()
+        served = predictor.current()[0].score(held)
+        assert np.array_equal(served, Scorer(read_bundle(tmp_path / "final")).score(held))
+    finally:
+        predictor.close()
