@@ -413,8 +413,7 @@ def _check_field(f: Field, where: str) -> None:
     if isinstance(f, TimePartField):
         need(f.part in TIME_PARTS, f"part must be one of {', '.join(TIME_PARTS)}, got {f.part!r}")
     dim = getattr(f, "embed_dim", 0)
-    need(isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0,
-         f"embed_dim must be an integer >= 1 (a multiple of model.embed_dim), got {dim!r}")
+    need(_is_embed_dim(dim), f"embed_dim must be a positive integer, a multiple of model.embed_dim; got {dim!r}")
     need(not (dim and isinstance(f, NumericField) and not f.is_key),
          "embed_dim goes with a field that is embedded: categorical, multi_hot, time_part or a "
          "bucketized numeric")
@@ -424,6 +423,11 @@ def _check_field(f: Field, where: str) -> None:
         need(f.pooling in POOLINGS, f"pooling must be one of {', '.join(POOLINGS)}, got {f.pooling!r}")
         need(isinstance(f.separator, str) and len(f.separator) == 1 and f.separator not in "\n\r",
              f"separator must be one character, got {f.separator!r}")
+
+
+def _is_embed_dim(x: Any) -> bool:
+    """0 (the default: model.embed_dim) or a positive integer."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _is_number(x: Any) -> bool:
@@ -465,9 +469,9 @@ def _parse_cross(name: str, spec: Any, where: str) -> Cross:
     if not isinstance(names, list) or len(names) < 2 or not all(isinstance(n, str) for n in names):
         raise SchemaError(f"{where}: fields must list two or more key field names")
     dim = spec.get("embed_dim", 0)
-    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
-        raise SchemaError(f"{where}: embed_dim must be an integer >= 1 (a multiple of "
-                          f"model.embed_dim), got {dim!r}")
+    if not _is_embed_dim(dim):
+        raise SchemaError(f"{where}: embed_dim must be a positive integer, a multiple of "
+                          f"model.embed_dim; got {dim!r}")
     return Cross(name=name, fields=tuple(names), embed_dim=dim)
 
 

@@ -460,7 +460,22 @@ def validate(cfg: Config) -> Config:
     kafka_problem = cfg.kafka.problem(prefix="kafka.")
     if kafka_problem:
         raise ConfigError(kafka_problem)
+    if cfg.data.schema:
+        _check_field_widths(cfg.data.schema, m.embed_dim)
     return cfg
+
+
+def _check_field_widths(schema: str, embed_dim: int) -> None:
+    """A schema field's embed_dim is stored as whole rows of model.embed_dim."""
+    from stream_ctr.connectors.schema import parse_schema
+    parsed = parse_schema(schema)
+    names = parsed.key_fields + tuple(f.name for f in parsed.multi_fields)
+    for name, dim in zip(names, parsed.embed_dims):
+        if dim % embed_dim:
+            raise ConfigError(f"schema field {name!r}: embed_dim {dim} is not a multiple of "
+                              f"model.embed_dim {embed_dim} (a field is stored as whole rows of "
+                              f"model.embed_dim); use {max(dim // embed_dim, 1) * embed_dim} or "
+                              f"{(dim // embed_dim + 1) * embed_dim}, or change model.embed_dim")
 
 
 def resolve_optim(cfg: Config) -> ResolvedOptim:

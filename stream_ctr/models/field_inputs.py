@@ -87,52 +87,56 @@ def derive_keys(keys: np.ndarray, j: int) -> np.ndarray:
     return (z & _SIGN_MASK).astype(np.int64)
 
 
-def _model_keys(batch: Batch, rows: FieldRows | None
-                ) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray, str]]]:
-    """(fixed keys [B, F'], jagged fields [(values, offsets, pooling)] * M'): the batch's
-    keys with each wide field's derived rows beside its own."""
-    jagged = [(j.values, j.offsets, j.pooling) for j in batch.jagged]
+def _jagged_rows(batch: Batch, rows: FieldRows | None) -> list[tuple[np.ndarray, np.ndarray, str]]:
+    """(values, offsets, pooling) of each multi-hot model field, a wide field's derived
+    rows beside its own (they share its offsets)."""
+    fields = [(j.values, j.offsets, j.pooling) for j in batch.jagged]
     if rows is None:
-        return batch.keys, jagged
-    cols = []
-    for f, k in enumerate(rows.fixed):
-        column = batch.keys[:, f]
-        cols += [column] + [derive_keys(column, j) for j in range(1, k)]
-    wide = []
-    for (values, offsets, pooling), k in zip(jagged, rows.multi):
-        wide += [(values, offsets, pooling)] + [(derive_keys(values, j), offsets, pooling) for j in range(1, k)]
-    return np.stack(cols, axis=1), wide
+        return fields
+    return [(values if j == 0 else derive_keys(values, j), offsets, pooling)
+            for (values, offsets, pooling), k in zip(fields, rows.multi) for j in range(k)]
+
+
+def _fixed_keys(batch: Batch, rows: FieldRows | None) -> np.ndarray:
+    """Fixed keys [B, F'], a wide field's derived rows beside its own."""
+    if rows is None:
+        return batch.keys
+    return np.stack([column if j == 0 else derive_keys(column, j)
+                     for column, k in zip(batch.keys.T, rows.fixed) for j in range(k)], axis=1)
 
 
 def batch_keys(batch: Batch, rows: FieldRows | None = None) -> np.ndarray:
     """int64 [B*F + N_1 + ... + N_M]: fixed keys row-major, then each multi-hot field's
     values (with `rows`, F and M count each wide field's k rows)."""
-    fixed, jagged = _model_keys(batch, rows)
-    if not jagged:
-        return fixed.reshape(-1)
-    return np.concatenate([fixed.reshape(-1)] + [values for values, _, _ in jagged])
+    fixed = _fixed_keys(batch, rows).reshape(-1)
+    if not batch.jagged:
+        return fixed
+    return np.concatenate([fixed] + [values for values, _, _ in _jagged_rows(batch, rows)])
 
 
 def field_inputs(rows: torch.Tensor, inverse: torch.Tensor, batch: Batch, d: int,
                  field_rows: FieldRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(emb [B, F + M, d], lin [B, F + M]) from unique rows [U, d + 1] and `inverse`, each
-    key's index into them, in `batch_keys` order (the same `field_rows`).
+    key's index into them, in `batch_keys` order (the same `field_rows`; only the layout
+    is needed here, so no key is derived a second time).
 
     Fixed fields: embedding and linear columns are split at the unique-row level,
     so the backward of the split touches [U, d+1], not [B, F, d+1].  Multi-hot
     fields pool whole rows (embedding and linear weight together)."""
-    fixed, jagged = _model_keys(batch, field_rows)
-    b, f = fixed.shape
+    b = batch.keys.shape[0]
+    f = sum(field_rows.fixed) if field_rows is not None else batch.keys.shape[1]
     n_fixed = b * f
     emb = gather_rows(rows[:, :d].contiguous(), inverse[:n_fixed]).view(b, f, d)
     lin = rows[:, d][inverse[:n_fixed]].view(b, f)
-    if not jagged:
+    if not batch.jagged:
         return emb, lin
+    multi_rows = field_rows.multi if field_rows is not None else (1,) * len(batch.jagged)
     pooled, at = [], n_fixed
-    for values, offsets, pooling in jagged:
-        n = len(values)
-        offsets = torch.from_numpy(offsets).to(rows.device, non_blocking=True)
-        pooled.append(jagged_pool(rows, inverse[at:at + n], offsets, pooling == "mean"))
-        at += n
+    for jag, k in zip(batch.jagged, multi_rows):
+        n = len(jag.values)
+        offsets = torch.from_numpy(jag.offsets).to(rows.device, non_blocking=True)
+        for _ in range(k):          # a wide field's rows follow one another in `inverse`
+            pooled.append(jagged_pool(rows, inverse[at:at + n], offsets, jag.pooling == "mean"))
+            at += n
     multi = torch.stack(pooled, dim=1)                          # [B, M, d + 1]
     return torch.cat([emb, multi[:, :, :d]], dim=1), torch.cat([lin, multi[:, :, d]], dim=1)

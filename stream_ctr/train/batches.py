@@ -23,6 +23,8 @@ from stream_ctr.connectors.kafka.sink import DeadLetterUnsent
 from stream_ctr.telemetry.monitor import RunMonitor
 from stream_ctr.train.batcher import MicroBatcher
 
+log = logging.getLogger("stream_ctr.train")
+
 
 def micro_batches(source: FileSource, batch_size: int, dead_letter: DeadLetterFile,
                   limit_records: int = -1, monitor: RunMonitor | None = None) -> Iterator[Batch]:
@@ -100,9 +102,6 @@ class LookAhead:
     def discard(self, partitions: list[str]) -> None:
         if self._held is not None:
             self._held = filter_partitions(self._held, set(partitions))
-
-
-log = logging.getLogger("stream_ctr.train")
 
 
 def dead_letter_or_stop(dead_letter, rejected: list[Rejected], stop: "StopSignal") -> bool:

@@ -53,6 +53,19 @@ def test_field_rows_and_what_the_model_takes():
         field_rows(wide, 8)
 
 
+def test_a_width_that_is_not_whole_rows_is_one_clear_error(tmp_path, capsys):
+    log = tmp_path / "log.jsonl"
+    write_synthetic_json(log, 200, seed=1)
+    (tmp_path / "s.toml").write_text(WIDE_SCHEMA.replace("embed_dim = 30", "embed_dim = 25"))
+    code = main(["train", f"json:{log}", "--schema", str(tmp_path / "s.toml"),
+                 "--run-dir", str(tmp_path / "run"), "--quiet"])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("stream-ctr: error: schema field 'user_id': embed_dim 25 is not a multiple of "
+                   "model.embed_dim 10 (a field is stored as whole rows of model.embed_dim); use 20 "
+                   "or 30, or change model.embed_dim")
+
+
 def test_a_numeric_field_left_dense_takes_no_embed_dim():
     text = AD_LOG_SCHEMA.replace('transform = "log1p"', 'transform = "log1p"\nembed_dim = 20', 1)
     assert text != AD_LOG_SCHEMA
