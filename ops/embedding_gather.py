@@ -8,8 +8,9 @@ them to its M slots with `inverse` (from `torch.unique(..., return_inverse=True)
 
 `gather_rows_reference`: index_select forward, index_add_ backward.
 `gather_rows_triton`: a gather kernel forward; the backward is either a
-deterministic segment sum (default: sort `inverse` once, one program per
-unique row sums its contiguous segment in a fixed order, so results are
+deterministic segment sum (default: sort `inverse` once; one program per
+piece of at most SEGMENT_PIECE_SLOTS slots of a row sums it in a fixed
+order, then one program per row sums its pieces, so results are
 bit-reproducible run to run) or a scatter with atomic adds
 (`deterministic=False`: one pass, no sort, summation order varies on GPU).
 `gather_rows` picks one with `stream_ctr.ops.dispatch.use_triton`.
@@ -135,6 +136,12 @@ def _gather_forward(src: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Slots one program sums at most. A hot row (a field with a few values holds ~B/10 slots
+# of one row) was one program's serial loop: 4.7 of a 35 ms step at batch 131,072 on an
+# H200. Longer segments are cut into pieces of this many slots, summed in a second pass.
+SEGMENT_PIECE_SLOTS = 1024
+
+
 def _segment_sum(grad_out: torch.Tensor, inverse: torch.Tensor, num_unique: int) -> torch.Tensor:
     # Sort once; slots of unique row u are then order[starts[u]:starts[u+1]],
     # in ascending slot order (stable sort), which fixes the summation order.
@@ -142,16 +149,51 @@ def _segment_sum(grad_out: torch.Tensor, inverse: torch.Tensor, num_unique: int)
     out = grad_out.new_empty((num_unique, d))
     if num_unique == 0 or d == 0:
         return out
-    sorted_inv, order = torch.sort(inverse, stable=True)
+    # int32 keys when they fit: a radix sort makes one pass per key byte, so half the passes.
+    keys = inverse.to(torch.int32) if num_unique < 2**31 else inverse
+    sorted_inv, order = torch.sort(keys, stable=True)
     bounds = torch.arange(num_unique + 1, device=inverse.device, dtype=sorted_inv.dtype)
     starts = torch.searchsorted(sorted_inv, bounds)
-    kernels = _build_kernels()
-    block_j, block_d = _blocks(d, max_rows=32)
-    acc_dtype = tl.float64 if grad_out.dtype == torch.float64 else tl.float32
-    kernels["segment_sum"][(num_unique,)](
-        grad_out, order, starts, out, d,
-        BLOCK_J=block_j, BLOCK_D=block_d, ACC_DTYPE=acc_dtype)
+    acc_dtype = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
+    # Pass 1: pieces of at most SEGMENT_PIECE_SLOTS slots, each row's pieces consecutive.
+    # Their number is bounded without reading it on the host (that would be a sync): at
+    # most one piece per row plus one per full SEGMENT_PIECE_SLOTS slots; spare ones are empty.
+    piece_begin, piece_end, row_first_piece = _pieces(starts, m, SEGMENT_PIECE_SLOTS)
+    partial = grad_out.new_empty((piece_begin.numel(), d), dtype=acc_dtype)
+    _segment_sum_launch(grad_out, order, piece_begin, piece_end, partial)
+    # Pass 2: each row sums its pieces, in order.
+    _segment_sum_launch(partial, None, row_first_piece[:-1], row_first_piece[1:], out)
     return out
+
+
+def _pieces(starts: torch.Tensor, m: int, piece: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(begin [P], end [P]) of the pieces that cut each segment [starts[u], starts[u+1]) into
+    runs of at most `piece` slots, row after row, P = U + m // piece (the last ones empty);
+    and row_first_piece [U + 1], where row u's pieces begin (its end is the next row's)."""
+    starts = starts.long()
+    n_unique = starts.numel() - 1
+    lengths = starts[1:] - starts[:-1]
+    n_pieces = torch.clamp_min((lengths + piece - 1) // piece, 1)   # an unused row: one empty piece
+    row_first_piece = torch.zeros(n_unique + 1, dtype=torch.long, device=starts.device)
+    torch.cumsum(n_pieces, 0, out=row_first_piece[1:])
+    p = torch.arange(n_unique + m // piece, device=starts.device)
+    row = torch.searchsorted(row_first_piece, p, right=True) - 1     # U for the spare pieces
+    row = row.clamp_max(n_unique - 1)
+    begin = starts[row] + (p - row_first_piece[row]) * piece
+    end = torch.minimum(begin + piece, starts[row + 1])
+    begin = torch.minimum(begin, end)                                 # spare pieces: empty
+    return begin, end, row_first_piece
+
+
+def _segment_sum_launch(src: torch.Tensor, order: torch.Tensor | None, begin: torch.Tensor,
+                        end: torch.Tensor, out: torch.Tensor) -> None:
+    """out[i] = sum of src[order[j]] (src[j] without order) for j in [begin[i], end[i]), in j order."""
+    kernels = _build_kernels()
+    block_j, block_d = _blocks(src.shape[1], max_rows=32)
+    acc_dtype = tl.float64 if out.dtype == torch.float64 or src.dtype == torch.float64 else tl.float32
+    kernels["segment_sum"][(begin.numel(),)](
+        src, order if order is not None else begin, begin, end, out, src.shape[1],
+        HAS_ORDER=order is not None, BLOCK_J=block_j, BLOCK_D=block_d, ACC_DTYPE=acc_dtype)
 
 
 def _scatter_add(grad_out: torch.Tensor, inverse: torch.Tensor, num_unique: int) -> torch.Tensor:
@@ -177,25 +219,28 @@ def _gather_kernel(src_ptr, inv_ptr, out_ptr, M, D,
     tl.store(out_ptr + r[:, None] * D + cols[None, :], vals, mask=mask)
 
 
-def _segment_sum_kernel(grad_ptr, order_ptr, starts_ptr, out_ptr, D,
-                        BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+def _segment_sum_kernel(src_ptr, order_ptr, begin_ptr, end_ptr, out_ptr, D,
+                        HAS_ORDER: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
                         ACC_DTYPE: tl.constexpr):
-    # One program per unique row; its slots are sorted, so it reads a
-    # contiguous range of `order`, BLOCK_J slots at a time.
-    u = tl.program_id(0).to(tl.int64)
-    start = tl.load(starts_ptr + u)
-    end = tl.load(starts_ptr + u + 1)
+    # One program per output row; it reads the range [begin, end) of `order` (or of
+    # src itself), BLOCK_J slots at a time, always in the same order.
+    i = tl.program_id(0).to(tl.int64)
+    start = tl.load(begin_ptr + i)
+    end = tl.load(end_ptr + i)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     acc = tl.zeros([BLOCK_D], dtype=ACC_DTYPE)
     for j0 in range(start, end, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         j_ok = j < end
-        slot = tl.load(order_ptr + j, mask=j_ok, other=0)
-        tile = tl.load(grad_ptr + slot[:, None] * D + cols[None, :],
+        if HAS_ORDER:
+            slot = tl.load(order_ptr + j, mask=j_ok, other=0)
+        else:
+            slot = j
+        tile = tl.load(src_ptr + slot[:, None] * D + cols[None, :],
                        mask=j_ok[:, None] & col_ok[None, :], other=0.0)
         acc += tl.sum(tile.to(ACC_DTYPE), axis=0)
-    tl.store(out_ptr + u * D + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(out_ptr + i * D + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def _scatter_add_kernel(grad_ptr, inv_ptr, acc_ptr, M, D,

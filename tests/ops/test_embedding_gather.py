@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from stream_ctr.ops.dispatch import FORCE_TRITON_ENV
+from stream_ctr.ops import embedding_gather
 from stream_ctr.ops.embedding_gather import gather_rows, gather_rows_reference, gather_rows_triton
 from tests.ops.conftest import needs_interpreter
 
@@ -65,6 +66,30 @@ def test_triton_hot_row_and_int32_inverse(triton_device):
         out, grad = forward_backward(fn, src, inverse, grad_out)
         assert torch.equal(out, ref_out)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("piece", [1, 3, 64])
+def test_triton_segments_cut_into_pieces(triton_device, monkeypatch, piece):
+    """A hot row's segment is summed in pieces, then the pieces per row: the same sums,
+    and rows no slot uses still get zero."""
+    monkeypatch.setattr(embedding_gather, "SEGMENT_PIECE_SLOTS", piece)
+    src, inverse, grad_out = make_case(9, 300, 12, seed=piece, device=triton_device)
+    inverse[: 200] = 4                      # one row: 200+ slots, many pieces
+    inverse[inverse == 7] = 6               # row 7 unused
+    ref_out, ref_grad = forward_backward(gather_rows_reference, src, inverse, grad_out)
+    out, grad = forward_backward(gather_rows_triton, src, inverse, grad_out)
+    assert torch.equal(out, ref_out)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
+    assert torch.equal(grad[7], torch.zeros_like(grad[7]))
+
+
+def test_pieces_cover_each_segment_in_order():
+    starts = torch.tensor([0, 5, 5, 6, 16])           # lengths 5, 0, 1, 10
+    begin, end, first = embedding_gather._pieces(starts, 16, 4)
+    assert first.tolist() == [0, 2, 3, 4, 7]
+    assert list(zip(begin.tolist(), end.tolist()))[:7] == [
+        (0, 4), (4, 5), (5, 5), (5, 6), (6, 10), (10, 14), (14, 16)]
+    assert len(begin) == 4 + 16 // 4 and all(b == e for b, e in zip(begin[7:], end[7:]))
 
 
 def test_triton_segment_sum_is_reproducible(triton_device):
