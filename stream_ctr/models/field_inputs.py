@@ -127,7 +127,9 @@ def field_inputs(rows: torch.Tensor, inverse: torch.Tensor, batch: Batch, d: int
     f = sum(field_rows.fixed) if field_rows is not None else batch.keys.shape[1]
     n_fixed = b * f
     emb = gather_rows(rows[:, :d].contiguous(), inverse[:n_fixed]).view(b, f, d)
-    lin = rows[:, d][inverse[:n_fixed]].view(b, f)
+    # Not rows[:, d][inverse]: under deterministic algorithms that indexing's backward is a
+    # sort-based accumulate that took 12 of a 35 ms step at batch 131,072 on an H200.
+    lin = gather_rows(rows[:, d:], inverse[:n_fixed]).view(b, f)
     if not batch.jagged:
         return emb, lin
     multi_rows = field_rows.multi if field_rows is not None else (1,) * len(batch.jagged)
