@@ -57,8 +57,10 @@ def test_triton_matches_reference(triton_device, u, lengths, d, mean):
     case = make_case(u, lengths, d, seed=u + d, device=triton_device)
     ref_out, ref_grad = forward_backward(jagged_pool_reference, *case, mean)
     out, grad = forward_backward(jagged_pool_triton, *case, mean)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    # A bag of 60 rows sums values of ~8 in float32, in another order than the reference
+    # (whose CUDA index_add_ uses atomics): 1.8e-6 apart once on an H200, so 1e-5.
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
 
 
 @settings(max_examples=15, deadline=None)
