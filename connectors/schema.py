@@ -28,8 +28,8 @@ own passed with ``--schema``::
                                # Default: the field's name.  Several fields may read one path.
     [schema.fields.price]
     kind = "numeric"           # one dense column, or one key column with bucketize
-    transform = "log1p"        # raw | log1p (sign(x)*log1p(|x|)) | standardize | bucketize
-    # mean = 0.1, std = 0.05   # standardize: (x - mean) / std
+    transform = "log1p"        # raw | log1p (sign(x)*log1p(|x|)) | log | standardize | bucketize
+    # mean = 0.1, std = 0.05   # standardize: (x - mean) / std;  log: (ln(x) - mean) / std, x > 0
     # boundaries = [0.01, 0.1] # bucketize: a key per interval; "log_squared" = Criteo's rule
 
     [schema.fields.ts]
@@ -90,7 +90,7 @@ from dataclasses import dataclass, fields as dataclass_fields
 from typing import Any, Union
 
 ENCODINGS = ("json", "csv")
-TRANSFORMS = ("raw", "log1p", "standardize", "bucketize")
+TRANSFORMS = ("raw", "log1p", "log", "standardize", "bucketize")
 TIME_UNITS = ("s", "ms")
 TIME_PARTS = ("hour_of_day", "day_of_week")
 LOG_SQUARED = "log_squared"                 # Criteo winners' buckets: v if v <= 2 else floor(ln(v)^2)
@@ -403,6 +403,8 @@ def _check_field(f: Field, where: str) -> None:
         need(f.transform in TRANSFORMS, f"transform must be one of {', '.join(TRANSFORMS)}, got {f.transform!r}")
         need(_is_number(f.mean) and _is_number(f.std) and math.isfinite(f.std) and f.std > 0,
              f"standardize needs a number mean and std > 0, got mean={f.mean!r} std={f.std!r}")
+        need(not (f.transform == "log" and default is not None and _is_number(default) and default <= 0),
+             f'transform = "log" needs a default > 0 (ln of it), got {default!r}')
         need((f.transform == "bucketize") == bool(f.boundaries),
              "boundaries = [...] (or \"log_squared\") goes with transform = \"bucketize\", and only there")
     if isinstance(f, EventTimeField):

@@ -276,13 +276,16 @@ def bucket_keys(values: np.ndarray, missing: np.ndarray, boundaries: tuple[float
 
 
 def dense_values(values: np.ndarray, transform: str, mean: float, std: float) -> np.ndarray:
-    """float32 dense column: raw, sign(x)*log1p(|x|) in float32, or (x - mean) / std."""
+    """float32 dense column: raw, sign(x)*log1p(|x|) in float32, (ln(x) - mean) / std (log:
+    the caller has rejected x <= 0), or (x - mean) / std."""
     if transform == "log1p":
         # float32 all the way, as the Criteo decoder does (decode_tables._signed_log1p_into).
         as_float = values.astype(np.float32)
         mag = np.abs(as_float)
         np.log1p(mag, out=mag)
         return np.copysign(mag, as_float)
+    if transform == "log":
+        return ((np.log(values) - mean) / std).astype(np.float32)
     if transform == "standardize":
         return ((values - mean) / std).astype(np.float32)
     return values.astype(np.float32)

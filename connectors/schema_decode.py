@@ -330,6 +330,8 @@ class _Converted:
         expected = _EXPECTED.get(f.kind, "a value")
         if isinstance(f, EventTimeField):
             expected = f"a time like {f.format!r}" if f.format else f"a number (epoch {f.unit})"
+        if isinstance(f, NumericField) and f.transform == "log":
+            expected = 'a number > 0 (transform = "log")'
         return f"bad_value:{f.name}", f"{f.name} = {value!r}: expected {expected}"
 
 
@@ -370,6 +372,10 @@ def _convert(schema: Schema, raw_of: Callable[[str], Any], m: int) -> _Converted
             if f.optional:
                 status[missing] = col.OK
             values[missing] = 0.0
+            if f.transform == "log":        # ln needs x > 0: anything else is a bad value
+                out_of_domain = ~missing & ~(values > 0)
+                status[out_of_domain & (status == col.OK)] = col.BAD
+                values[missing | out_of_domain] = 1.0
             if f.is_key:
                 out.keys[:, key_index[f.name]] = col.bucket_keys(values, missing, f.boundaries,
                                                                  key_index[f.name])

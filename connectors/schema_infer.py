@@ -14,8 +14,11 @@ column) gets a kind, and a comment saying why:
   strings unique to nearly every record (request ids: no two records share one,
   so they teach nothing);
 - `categorical`: strings, booleans, and integers with few distinct values;
-- `numeric`: other numbers, `log1p` when non-negative and heavy-tailed, else
-  `standardize` with the sample's mean and std.
+- `numeric`: other numbers: `log` (ln, standardized with the sample's mean and
+  std of ln) when all positive and spanning three decades or more (prices,
+  durations: their effect is usually on a log scale, and standardizing the
+  raw values crowds most of them near zero), `log1p` when non-negative and
+  heavy-tailed, else `standardize` with the sample's mean and std.
 
 A field missing from some sampled records is `optional` (its own "missing"
 key, or 0.0).  The result is a valid schema that trains as it is; the comments
@@ -44,6 +47,7 @@ except ImportError:                     # pragma: no cover - orjson is a depende
 
 DEFAULT_RECORDS = 10_000
 MAX_CATEGORICAL_INTS = 100              # an integer field with at most this many values is categorical
+LOG_MIN_RATIO = 1000                    # positive numbers whose max/min is this or more are logged
 ID_UNIQUE_SHARE = 0.95                  # a string field this unique is an id
 LABEL_NAMES = ("click", "clicked", "label", "is_click", "target", "y", "conversion", "converted")
 TIME_NAMES = re.compile(r"(^|_|\.)(ts|time|timestamp|date|datetime|event_time)($|_)|time$", re.I)
@@ -258,6 +262,13 @@ def _guess_one(name: str, path: str, leaf: _Leaf, n: int, have_time: bool) -> tu
                 f"integers {lo:.0f}..{hi:.0f}, {distinct} distinct: categorical{missing_note}")
     mean, std = float(numbers.mean()), float(numbers.std())
     median = float(np.median(numbers))
+    if lo > 0 and hi >= LOG_MIN_RATIO * lo:
+        logs = np.log(numbers)
+        decades = math.log10(hi / lo)
+        return (NumericField(name, path, transform="log", mean=round(float(logs.mean()), 6),
+                             std=float(f"{float(logs.std()):.6g}"), optional=optional),
+                f"numbers {lo:g}..{hi:g} ({decades:.1f} decades), median {median:g}: positive and "
+                f"scale-free, so ln, standardized with the sample's mean and std of ln{missing_note}")
     if lo >= 0 and hi > 10 * max(median, 1e-12) and hi > 1:
         return (NumericField(name, path, transform="log1p", optional=optional),
                 f"numbers {lo:g}..{hi:g}, median {median:g}: heavy-tailed, log1p{missing_note}")

@@ -278,3 +278,34 @@ def test_a_missing_list_needs_optional():
     text = MULTI.format(enc="json", csv="", optional="")
     batch, rejected = decode_records(b'{"y": 1, "a": "x"}\n', parse_schema(text), "p", 0)
     assert len(batch) == 0 and rejected[0].reason == "missing:tags"
+
+
+LOG_SCHEMA = parse_schema("""
+[schema]
+encoding = "json"
+[schema.fields.clicked]
+kind = "label"
+[schema.fields.user]
+kind = "categorical"
+default = "none"
+[schema.fields.price]
+kind = "numeric"
+transform = "log"
+mean = -2.0
+std = 2.0
+[schema.fields.bid]
+kind = "numeric"
+transform = "log"
+optional = true
+""")
+
+
+def test_log_transform_and_its_domain():
+    records = [{"clicked": 1, "price": 0.5, "bid": 10}, {"clicked": 0, "price": 0.0, "bid": 1},
+               {"clicked": 0, "price": -1, "bid": 1}, {"clicked": 1, "price": 2.0}]
+    b, rejected = decode_records(_lines(*records), LOG_SCHEMA, "p", 0)
+    np.testing.assert_allclose(b.dense[:, 0], (np.log([0.5, 2.0]) + 2.0) / 2.0, rtol=1e-6)
+    np.testing.assert_allclose(b.dense[:, 1], [np.log(10.0), 0.0], rtol=1e-6)   # optional: 0.0
+    assert [r.offset for r in rejected] == [1, 2]
+    assert {r.reason for r in rejected} == {"bad_value:price"}
+    assert all('a number > 0 (transform = "log")' in r.detail for r in rejected)

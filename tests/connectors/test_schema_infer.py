@@ -21,8 +21,22 @@ def test_json_ad_log(tmp_path):
     assert "multi-hot" in comments["history"] and "0-50 items" in comments["history"]
     assert kinds["os"] == CategoricalField("os", "device.os")
     assert isinstance(kinds["position"], CategoricalField) and "10 distinct" in comments["position"]
-    assert isinstance(kinds["price"], NumericField)
+    # prices span decades: ln, standardized (the teacher's price term is on a log scale)
+    assert isinstance(kinds["price"], NumericField) and kinds["price"].transform == "log"
+    assert "decades" in comments["price"] and abs(kinds["price"].std - 1.0) < 0.2
     assert all(f.name in comments for f in schema.fields)
+
+
+@pytest.mark.parametrize("values, transform", [
+    ([0.001 * 1.5 ** i for i in range(40)], "log"),      # positive, 6.9 decades
+    ([0.0] + [float(2 ** (i % 20)) for i in range(39)], "log1p"),   # heavy-tailed with zeros: log1p
+    ([5.0 + i for i in range(40)], "standardize"),       # under three decades
+])
+def test_numeric_transform_by_range(tmp_path, values, transform):
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps({"clicked": i % 2, "site": f"s{i % 3}", "x": v}) + "\n" for i, v in enumerate(values)))
+    schema, _ = infer_schema(path, "json", 100)
+    assert {f.name: f for f in schema.fields}["x"].transform == transform
 
 
 def test_csv_with_header_time_strings_and_missing_values(tmp_path):
