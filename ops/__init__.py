@@ -4,7 +4,8 @@
     cowclip_adam      fused CowClip + sparse Adam over the rows of a batch
     embedding_gather  gather of unique rows into batch slots, and its backward
     jagged_pool       sum/mean pooling of bags of unique rows (multi-hot fields), and its backward
+    cpu_rows          a compiled CPU loop for the references' row adds (bit-identical to index_add_)
 
-Imports torch (and triton lazily, on the first Triton call); never the rest
-of stream_ctr.
+Imports torch (and triton lazily, on the first Triton call; numba on the
+first CPU row add); never the rest of stream_ctr.
 """

@@ -6,7 +6,8 @@ them to its M slots with `inverse` (from `torch.unique(..., return_inverse=True)
     out[j] = unique_rows[inverse[j]]                 forward,  [M, D]
     grad_unique[u] = sum_{j: inverse[j] == u} grad_out[j]   backward, [U, D]
 
-`gather_rows_reference`: index_select forward, index_add_ backward.
+`gather_rows_reference`: index_select forward, index_add_ backward (on the CPU
+the same additions in a compiled loop, `cpu_rows`: bit for bit the same).
 `gather_rows_triton`: a gather kernel forward; the backward is either a
 deterministic segment sum (default: sort `inverse` once; one program per
 piece of at most SEGMENT_PIECE_SLOTS slots of a row sums it in a fixed
@@ -26,6 +27,7 @@ from functools import cache
 
 import torch
 
+from .cpu_rows import index_add_rows
 from .dispatch import check_triton_device, use_triton
 
 # Bound by _build_kernels() on the first Triton call, not at import: Triton
@@ -80,8 +82,8 @@ class _GatherRowsReference(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (inverse,) = ctx.saved_tensors
-        grad = grad_out.new_zeros((ctx.num_unique, grad_out.shape[1]))
-        return grad.index_add_(0, inverse, grad_out), None
+        # index_add_ itself, or on the CPU the same additions in the same order, compiled.
+        return index_add_rows(grad_out, inverse, ctx.num_unique), None
 
 
 def gather_rows_reference(unique_rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
