@@ -73,8 +73,9 @@ def jagged_pool_reference(unique_rows: torch.Tensor, index: torch.Tensor, offset
     _check_args(unique_rows, index, offsets)
     b = offsets.numel() - 1
     bag = torch.repeat_interleave(torch.arange(b, device=offsets.device), offsets[1:] - offsets[:-1])
+    # gather_rows_reference is index_select whose backward (index_add_) runs compiled on the CPU
     summed = unique_rows.new_zeros((b, unique_rows.shape[1])).index_add(
-        0, bag, unique_rows.index_select(0, index))
+        0, bag, embedding_gather.gather_rows_reference(unique_rows, index))
     return summed * _bag_scale(offsets, mean, unique_rows.dtype)[:, None] if mean else summed
 
 
