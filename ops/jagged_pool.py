@@ -28,6 +28,7 @@ from functools import cache
 import torch
 
 from . import embedding_gather
+from .cpu_rows import pool_rows
 from .dispatch import check_triton_device, use_triton
 
 triton = None
@@ -73,9 +74,9 @@ def jagged_pool_reference(unique_rows: torch.Tensor, index: torch.Tensor, offset
     _check_args(unique_rows, index, offsets)
     b = offsets.numel() - 1
     bag = torch.repeat_interleave(torch.arange(b, device=offsets.device), offsets[1:] - offsets[:-1])
-    # gather_rows_reference is index_select whose backward (index_add_) runs compiled on the CPU
-    summed = unique_rows.new_zeros((b, unique_rows.shape[1])).index_add(
-        0, bag, embedding_gather.gather_rows_reference(unique_rows, index))
+    # index_select and index_add, each with its gradient, whose row adds (the pooling here,
+    # the gather's backward) run as the compiled loop on the CPU: the same bits.
+    summed = pool_rows(embedding_gather.gather_rows_reference(unique_rows, index), bag, b)
     return summed * _bag_scale(offsets, mean, unique_rows.dtype)[:, None] if mean else summed
 
 

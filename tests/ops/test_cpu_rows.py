@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from stream_ctr.ops.cpu_rows import index_add_rows
+from stream_ctr.ops.cpu_rows import index_add_rows, pool_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -28,3 +28,16 @@ def test_strided_grad_and_other_dtypes():
 def test_out_of_range_index_is_an_error():
     with pytest.raises(IndexError):
         index_add_rows(torch.ones(3, 2), torch.tensor([0, 5, 1]), 2)
+
+
+def test_pool_rows_is_index_add_with_its_gradient():
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(50, 7, generator=gen, requires_grad=True)
+    index = torch.randint(0, 9, (50,), generator=gen)
+    out = pool_rows(rows, index, 9)
+    assert torch.equal(out, torch.zeros(9, 7).index_add(0, index, rows.detach()))
+    grad_out = torch.randn(9, 7, generator=gen)
+    out.backward(grad_out)
+    assert torch.equal(rows.grad, grad_out.index_select(0, index))
+    double = rows.detach().double().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda r: pool_rows(r, index, 9), (double,))
