@@ -262,7 +262,9 @@ def _guess_one(name: str, path: str, leaf: _Leaf, n: int, have_time: bool) -> tu
                 f"integers {lo:.0f}..{hi:.0f}, {distinct} distinct: categorical{missing_note}")
     mean, std = float(numbers.mean()), float(numbers.std())
     median = float(np.median(numbers))
-    if lo > 0 and hi >= LOG_MIN_RATIO * lo:
+    int_id = kinds == {"int"} and distinct >= ID_UNIQUE_SHARE * len(values) and len(values) >= 20
+    # Integer ids 1..N span decades too: they stay ids (below), not logged numbers.
+    if lo > 0 and hi >= LOG_MIN_RATIO * lo and not int_id:
         logs = np.log(numbers)
         decades = math.log10(hi / lo)
         return (NumericField(name, path, transform="log", mean=round(float(logs.mean()), 6),
@@ -272,7 +274,7 @@ def _guess_one(name: str, path: str, leaf: _Leaf, n: int, have_time: bool) -> tu
     if lo >= 0 and hi > 10 * max(median, 1e-12) and hi > 1:
         return (NumericField(name, path, transform="log1p", optional=optional),
                 f"numbers {lo:g}..{hi:g}, median {median:g}: heavy-tailed, log1p{missing_note}")
-    if kinds == {"int"} and distinct >= ID_UNIQUE_SHARE * len(values) and len(values) >= 20:
+    if int_id:
         return IgnoreField(name, path), f"{distinct:,} distinct integers of {len(values):,}: an id"
     if std == 0 or not math.isfinite(std):
         return IgnoreField(name, path), f"always {lo:g} in the sample: no information"

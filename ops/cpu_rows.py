@@ -10,7 +10,8 @@ DeepFM step at batch 8,192. This loop does the same additions in ~5 ms.
 `pool_rows` is `index_add` with its gradient on top of it (the multi-hot pooling).
 
 numba is a dependency of the package (the line decoder); a tensor it cannot
-take (not CPU, not float32/float64, not contiguous) goes to `index_add_`.
+take (not on the CPU, not float32/float64) goes to `index_add_`, and a strided
+one is made contiguous first.
 """
 from __future__ import annotations
 

@@ -70,7 +70,8 @@ def _bag_scale(offsets: torch.Tensor, mean: bool, dtype: torch.dtype) -> torch.T
 
 def jagged_pool_reference(unique_rows: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor,
                           mean: bool = False) -> torch.Tensor:
-    """Pure-torch `jagged_pool`: gather the values' rows, index_add_ them into their bags."""
+    """Torch `jagged_pool`: gather the values' rows, index_add them into their bags (on the
+    CPU the row adds of both, forward and backward, run as `cpu_rows`' loop: the same bits)."""
     _check_args(unique_rows, index, offsets)
     b = offsets.numel() - 1
     bag = torch.repeat_interleave(torch.arange(b, device=offsets.device), offsets[1:] - offsets[:-1])
