@@ -261,9 +261,15 @@ def _schema_header(lines: _LineReader, path: Path, schema: Schema) -> Schema:
     data, k = lines.take(1)
     if k == 0:
         return schema
-    text = data.rstrip(b"\r\n").decode("utf-8", errors="replace")
+    # utf-8-sig: a byte-order mark (spreadsheet exports write one) is not part of the first name.
+    text = data.rstrip(b"\r\n").decode("utf-8-sig", errors="replace")
     header = (next(csv.reader([text], delimiter=schema.delimiter, quotechar=schema.quote))
               if schema.quote else text.split(schema.delimiter))
+    others = [d for d in (",", ";", "\t", "|") if d != schema.delimiter and d in text]
+    if len(header) == 1 and others:
+        raise SourceError(f"{path}: the header is one column under the schema's delimiter "
+                          f"{schema.delimiter!r}, and it holds {others[0]!r}: set delimiter = "
+                          f"{others[0]!r} in [schema] if that separates the columns")
     if schema.columns and tuple(header) != schema.columns:
         raise SourceError(f"{path}: the header ({', '.join(header[:6])}...) is not the schema's columns "
                           f"({', '.join(schema.columns[:6])}...); fix the schema's columns or the file")

@@ -397,8 +397,16 @@ def _check_field(f: Field, where: str) -> None:
          "give a default or optional = true, not both")
     if isinstance(f, LabelField):
         need(f.threshold is None or _is_number(f.threshold), f"threshold must be a number, got {f.threshold!r}")
+        # A bad default would fail mid-stream, at the first record that lacks the label.
+        need(default is None or (_is_number(default) if f.threshold is not None else
+                                 default in (0, 1) or str(default).lower() in ("true", "false", "0", "1")),
+             f"default must be 0, 1, true or false{' (or a number: threshold is set)' if f.threshold is not None else ''}, "
+             f"got {default!r}")
     if isinstance(f, (WeightField, NumericField)):
         need(default is None or _is_number(default), f"default must be a number, got {default!r}")
+    if isinstance(f, WeightField):
+        need(default is None or not _is_number(default) or default >= 0,
+             f"a weight's default must be >= 0, got {default!r}")
     if isinstance(f, NumericField):
         need(f.transform in TRANSFORMS, f"transform must be one of {', '.join(TRANSFORMS)}, got {f.transform!r}")
         need(_is_number(f.mean) and _is_number(f.std) and math.isfinite(f.std) and f.std > 0,
@@ -412,6 +420,11 @@ def _check_field(f: Field, where: str) -> None:
         need(isinstance(f.format, str), "format must be a string such as \"%Y-%m-%d %H:%M:%S\"")
         if f.format:
             time_format_layout(f.format, where)
+            need(default is None or isinstance(default, str),
+                 f"default must be a time string in format {f.format!r}, got {default!r}")
+        else:
+            need(default is None or (_is_number(default) and default >= 0),
+                 f"default must be a number >= 0 (epoch {f.unit}), got {default!r}")
     if isinstance(f, TimePartField):
         need(f.part in TIME_PARTS, f"part must be one of {', '.join(TIME_PARTS)}, got {f.part!r}")
     dim = getattr(f, "embed_dim", 0)

@@ -138,6 +138,8 @@ def _flatten(record: dict, prefix: str = ""):
 
 
 def _csv_leaves(lines: list[bytes]) -> tuple[dict[str, _Leaf], int, dict]:
+    if lines[0].startswith(b"\xef\xbb\xbf"):     # a byte-order mark is not part of the first name
+        lines = [lines[0][3:], *lines[1:]]
     header = lines[0].rstrip(b"\r\n").decode("utf-8", errors="replace")
     delimiter = max(DELIMITERS, key=header.count)
     rows = csv.reader((line.rstrip(b"\r\n").decode("utf-8", errors="replace") for line in lines),

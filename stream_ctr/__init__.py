@@ -25,3 +25,23 @@ try:
     __version__ = _metadata.version("stream-ctr")
 except _metadata.PackageNotFoundError:      # run from a source tree that was never installed
     __version__ = "0+unknown"
+
+
+def _numba_cache_dir() -> None:
+    # The compiled decoders keep their machine code beside the source (__pycache__) or in
+    # the user's cache. With neither writable (a read-only install run by a user without
+    # a home, common in containers) numba raises "cannot cache function ...: no locator
+    # available" at import, so every command failed. Point it at a per-user temp folder.
+    import os
+    import tempfile
+    from pathlib import Path
+    if "NUMBA_CACHE_DIR" in os.environ or os.access(Path(__file__).parent, os.W_OK):
+        return
+    home = Path(os.path.expanduser("~"))
+    if home.is_dir() and os.access(home, os.W_OK):
+        return
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    os.environ["NUMBA_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"stream-ctr-numba-{uid}")
+
+
+_numba_cache_dir()

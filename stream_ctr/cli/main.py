@@ -8,6 +8,7 @@ cause print one line `stream-ctr: error: ...` and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from typing import Any
@@ -309,7 +310,7 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from stream_ctr.train.loop import train
+    from stream_ctr.train.loop import rejection_note, train
     if args.scale is not None:
         raise ConfigError("--scale was removed: give the batch that trains with --batch-size and "
                           "the batch the configured rates are for with --scale-from BASE_BATCH "
@@ -362,8 +363,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         s = train(cfg, resume=args.resume, show_progress=not args.quiet)
     test = (f"; test AUC {s.test['auc']:.4f} logloss {s.test['logloss']:.4f} "
             f"on {s.test['records']:,} held-out records") if s.test else ""
+    rejected = (f"{s.records_rejected:,} rejected: {rejection_note(s.rejected_by_reason)}; see "
+                f"{s.dead_letter_path}") if s.records_rejected else "0 rejected"
     emit(args, s.as_dict(),
-         f"trained {s.records_trained:,} records ({s.records_rejected:,} rejected) in "
+         f"trained {s.records_trained:,} records ({rejected}) in "
          f"{s.seconds:.1f} s, {s.samples_per_s:,.0f} samples/s; prequential AUC "
          f"{s.window.get('auc', float('nan')):.4f}{test}; checkpoint {s.checkpoint}")
     return 0
@@ -371,14 +374,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from stream_ctr.distributed.job_checkpoint import load_any
-    from stream_ctr.train.loop import evaluate_checkpoint
+    from stream_ctr.train.loop import evaluate_checkpoint, rejection_note
     from stream_ctr.cli.schema import read_schema_file
     result = evaluate_checkpoint(load_any(args.checkpoint), args.checkpoint, args.source,
                                  args.start, args.stop, whole=args.all,
                                  schema=read_schema_file(args.schema) if args.schema else None)
+    skipped = (f"; {result['rejected']:,} records did not decode and were not scored "
+               f"({rejection_note(result['rejected_by_reason'])})") if result["rejected"] else ""
     emit(args, result, f"AUC {result['auc']:.4f} logloss {result['logloss']:.4f} calibration "
          f"{result['calibration']:.3f} on {result['records']:,} records: {result['rows']}, lines "
-         f"{result['start']:,}-{result['stop']:,} of {result['source']} ({result['checkpoint']})")
+         f"{result['start']:,}-{result['stop']:,} of {result['source']} ({result['checkpoint']}){skipped}")
     return 0
 
 
@@ -386,6 +391,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
     import time
     from stream_ctr.connectors.synth import probs_path, write_synthetic_criteo
     from stream_ctr.connectors.synth_json import write_synthetic_json
+    if args.records < 0:
+        raise ConfigError(f"--records {args.records}: the number of rows to write must be >= 0")
     t0 = time.perf_counter()
     gzip = str(args.output).endswith(".gz")
     if args.format == "json":
@@ -427,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     from stream_ctr.connectors.files import SourceError
+    from stream_ctr.connectors.schema import SchemaError
     from stream_ctr.train.checkpoint import CheckpointError
     from stream_ctr.distributed.context import DistributedError
     from stream_ctr.store.errors import StoreError
@@ -436,8 +444,12 @@ def main(argv: list[str] | None = None) -> int:
             emit(args, *result)
             return 0
         return result
-    except (ConfigError, FileExistsError) as e:
+    except (ConfigError, SchemaError) as e:
         print(f"stream-ctr: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except FileExistsError as e:          # e.g. --run-dir naming a file: a directory was needed
+        print(f"stream-ctr: error: {e.filename} exists and is not a directory, where the command "
+              "needs one (check --run-dir, --out and the paths in --set)", file=sys.stderr)
         return EXIT_USAGE
     except (SourceError, FileNotFoundError) as e:
         print(f"stream-ctr: error: {e}", file=sys.stderr)
@@ -449,6 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stream-ctr: error: {e}", file=sys.stderr)
         return EXIT_INTERNAL
     except OSError as e:                  # a run directory that cannot be written, a full disk
+        if e.errno == errno.EADDRINUSE:
+            print(f"stream-ctr: error: the port is in use ({e.strerror}): pick another --port "
+                  "(0: any free one)", file=sys.stderr)
+            return EXIT_USAGE
         where = f" {e.filename}" if e.filename else ""
         print(f"stream-ctr: error: cannot use{where}: {e.strerror or e} (check --run-dir, "
               f"permissions and free disk space)", file=sys.stderr)

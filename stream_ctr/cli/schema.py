@@ -68,6 +68,11 @@ def cmd_schema_infer(args: argparse.Namespace) -> int:
 
 def _source(spec: str) -> tuple[str, Path]:
     prefix, colon, rest = spec.partition(":")
+    builtin = prefix.lower() if colon else next(
+        (name for name in ("criteo", "avazu") if name in Path(spec).name.lower()), None)
+    if builtin in ("criteo", "avazu"):
+        raise ConfigError(f"schema infer: {spec!r} is a {builtin} file, whose layout is built in: "
+                          f"train it as {builtin}:PATH, without a schema")
     if colon and prefix.lower() in ("json", "csv"):
         encoding, path = prefix.lower(), Path(rest).expanduser()
     else:

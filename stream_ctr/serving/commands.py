@@ -125,6 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: a TCP port is 0-65535 (0: any free one)")
     if args.bundle is None and args.follow is None:
         raise ConfigError("name a bundle to serve (stream-ctr serve BUNDLE --port P), or a publish "
                           "directory to follow (--follow DIR)")
@@ -235,6 +237,8 @@ def _lines(args: argparse.Namespace, run: dict, path: Path) -> tuple[int, int | 
 
 def cmd_predict(args: argparse.Namespace) -> tuple[dict, str]:
     from stream_ctr.train.evaluation import accuracy
+    if args.chunk_records < 1:
+        raise ConfigError(f"--chunk-records {args.chunk_records}: records scored at a time must be >= 1")
     bundle = read_bundle(args.bundle)
     scorer = Scorer(bundle, args.device, args.precision)
     run = bundle.manifest["run"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stream_ctr.config import ModelConfig
+from stream_ctr.config import ConfigError, ModelConfig
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.files import FileSource
 from stream_ctr.connectors.formats import RecordFormat
@@ -41,6 +41,8 @@ class Scorer:
         self.bundle = bundle
         self.table = table if table is not None else RowTable.of(bundle.keys, bundle.rows)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: torch sees no CUDA GPU here; score with --device cpu")
         self.precision = precision or m["precision"]
         if self.precision not in PRECISIONS:
             raise BundleError(f"{bundle.path}: precision {self.precision!r} is not one of {PRECISIONS}")

@@ -236,6 +236,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         manifest = json.loads((ckpt / "manifest.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{ckpt}/manifest.json unreadable: {e}") from None
+    if manifest.get("format") == "stream-ctr-bundle":      # serving/bundle.py writes these
+        raise CheckpointError(f"{ckpt} is a serving bundle (stream-ctr export), not a run or "
+                              "checkpoint: pass the run directory it was exported from, or score "
+                              f"the bundle with stream-ctr predict {ckpt}")
     for name, digest in manifest["files"].items():
         if not (ckpt / name).exists():
             raise CheckpointError(f"{ckpt}: file {name} missing")

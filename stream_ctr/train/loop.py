@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from stream_ctr.connectors.batch import Batch
-from stream_ctr.connectors.files import FileSource, count_records, detect_format
+from stream_ctr.connectors.files import FileSource, SourceError, count_records, detect_format
 from stream_ctr.connectors.read_ahead import ReadAhead
 from stream_ctr.train.checkpoint import (CheckpointState, holds_checkpoint, load_checkpoint, resolve_checkpoint,
                                          save_checkpoint)
@@ -127,6 +127,22 @@ def resume_data_config(cfg: Config, saved: Config) -> None:
             setattr(cfg.data, name, getattr(saved.data, name))
 
 
+def refuse_changed_model(cfg: Config, saved: Config, resume: str) -> None:
+    """A resume trains the checkpoint's model with its optimizer settings. A model.* or
+    optim.* value the command set (it differs from the default) that differs from the
+    checkpoint's would be ignored silently: refuse it, naming each one."""
+    default = Config()
+    changed = [f"{section}.{f.name} = {getattr(getattr(cfg, section), f.name)!r} "
+               f"(the run has {getattr(getattr(saved, section), f.name)!r})"
+               for section in ("model", "optim")
+               for f in dataclasses.fields(getattr(cfg, section))
+               if getattr(getattr(cfg, section), f.name) != getattr(getattr(default, section), f.name)
+               and getattr(getattr(cfg, section), f.name) != getattr(getattr(saved, section), f.name)]
+    if changed:
+        raise ConfigError(f"--resume {resume} continues the run's model and optimizer, but this command "
+                          f"sets {'; '.join(changed)}; drop those options, or train a new run with them")
+
+
 class Run:
     """What one `train` invocation holds: trainer, source plan, window, counters."""
 
@@ -137,6 +153,7 @@ class Run:
         state = load_checkpoint(resume) if resume else None
         if state is not None:   # the model and optimizer settings are the checkpoint's
             saved = Config.from_dict(state.config, origin=f"{resume} (checkpoint config)")
+            refuse_changed_model(cfg, saved, resume)
             cfg.model, cfg.optim = saved.model, saved.optim
             cfg.store = resume_store_config(cfg.store, saved.store)   # where its rows live
             resume_data_config(cfg, saved)
@@ -154,10 +171,12 @@ class Run:
             self.train_end = held_out_start(self.n_total, cfg.data.holdout_fraction)
         if state is not None:
             saved_fmt = source_format(saved)
-            if saved_fmt.name != self.fmt.name:
+            if features(saved_fmt) != features(self.fmt):
                 raise ConfigError(f"--resume {resume}: the checkpoint's model was trained on "
-                                  f"{saved_fmt.name} records, {cfg.data.source} holds {self.fmt.name}: "
-                                  "their features do not match; train it into a new --run-dir")
+                                  f"{describe_features(saved_fmt)}, {cfg.data.source} decodes to "
+                                  f"{describe_features(self.fmt)}: their features do not match; resume "
+                                  "with the run's schema (omit --schema: the checkpoint holds it) or "
+                                  "train into a new --run-dir")
             done = state.positions.get(f"file:{self.path.name}", 0) if self.path else 0
             if done > self.train_end:
                 raise ConfigError(
@@ -348,6 +367,23 @@ class Run:
         elif self.source is not None:      # a pass a stop cut short: its file and read-ahead thread
             self.source.close()
 
+    def refuse_if_nothing_decoded(self) -> None:
+        """Raise SourceError, before the final checkpoint, when this invocation trained
+        nothing and rejected every record it read: a schema, encoding or source that does
+        not fit the data (a JSON schema on a TSV file, a path that never matches). The
+        resume point stays where it was, so a corrected rerun reads those records again;
+        the dead-letter file keeps this attempt's rejects for diagnosis."""
+        counts = self.dead_letter.counts
+        if self.summary.records_trained or not counts:
+            return
+        raise SourceError(
+            f"every record read from {self.cfg.data.source} was rejected "
+            f"({sum(counts.values()):,}; {rejection_note(counts)}), nothing trained: the "
+            f"schema or source does not fit the data. Nothing was checkpointed: fix the "
+            f"schema or source and run again, with --resume {self.cfg.train.run_dir} to keep "
+            f"this run directory (the rejects, with each record's field and value, are in "
+            f"{self.dead_letter.path})")
+
     def finish(self, seconds: float) -> RunSummary:
         s = self.summary
         s.seconds = seconds
@@ -440,9 +476,26 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
         progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss, force=True,
                         window=run.window_label())
         progress.close()
+        run.refuse_if_nothing_decoded()
         run.checkpoint()
         run.summary.stopped = stop.requested
     return run.finish(progress.elapsed_s())
+
+
+def rejection_note(counts: dict[str, int], top: int = 3) -> str:
+    """'missing:site 4,500, bad_json 2' for the most common dead-letter reasons."""
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+    return ", ".join(f"{reason} {n:,}" for reason, n in ranked)
+
+
+def features(fmt) -> tuple:
+    """What a model's shapes depend on: layout name, key fields, their pooling, dense columns."""
+    return fmt.name, fmt.n_keys, fmt.pooling, fmt.n_dense
+
+
+def describe_features(fmt) -> str:
+    return (f"{fmt.name or 'schema'} records ({fmt.n_keys} key fields, {len(fmt.pooling or ())} "
+            f"multi-hot, {fmt.n_dense} dense)")
 
 
 def bayes_of_split(path: Path, labels: np.ndarray, start: int) -> dict[str, float]:
@@ -458,24 +511,33 @@ def bayes_of_split(path: Path, labels: np.ndarray, start: int) -> dict[str, floa
 
 
 def evaluate(trainer: Trainer, path: Path, fmt, start_offset: int, stop_offset: int | None,
-             chunk_records: int) -> Accuracy:
-    """Score records [start_offset, stop_offset) without training on them."""
-    return accuracy(*score(trainer, path, fmt, start_offset, stop_offset, chunk_records))
+             chunk_records: int) -> tuple[Accuracy, dict[str, int]]:
+    """Score records [start_offset, stop_offset) without training on them: their accuracy
+    and the records that did not decode, counted by reason."""
+    rejected: dict[str, int] = {}
+    acc = accuracy(*score(trainer, path, fmt, start_offset, stop_offset, chunk_records, rejected))
+    return acc, rejected
 
 
 def score(trainer: Trainer, path: Path, fmt, start_offset: int, stop_offset: int | None,
-          chunk_records: int) -> tuple[np.ndarray, np.ndarray]:
-    """Scores and labels of records [start_offset, stop_offset), without training on them."""
+          chunk_records: int, rejected: dict[str, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Scores and labels of records [start_offset, stop_offset), without training on them.
+    Records that do not decode are not scored; `rejected` (if given) counts them by reason."""
     probs, labels = [], []
+    rejected = {} if rejected is None else rejected
     with FileSource(path, fmt, start_offset=start_offset, chunk_records=chunk_records,
                     stop_offset=stop_offset) as source:
         while not source.exhausted:
-            chunk, _rejected = source.read()
+            chunk, bad = source.read()
+            for r in bad:
+                rejected[r.reason] = rejected.get(r.reason, 0) + 1
             if len(chunk):
                 probs.append(trainer.predict(chunk))
                 labels.append(chunk.labels)
     if not probs:
-        raise ConfigError(f"no records to evaluate in {path} from offset {start_offset}")
+        why = (f": all {sum(rejected.values()):,} records there were rejected ({rejection_note(rejected)}); "
+               "is it the layout and schema the run trained on?") if rejected else ""
+        raise SourceError(f"no records to evaluate in {path} from offset {start_offset}{why}")
     return np.concatenate(probs), np.concatenate(labels)
 
 
@@ -515,10 +577,11 @@ def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str | N
         source = own
     fmt, path = detect_format(source, schema or cfg.data.schema)
     saved_fmt = source_format(cfg)
-    if (saved_fmt.name, saved_fmt.n_keys, saved_fmt.pooling, saved_fmt.n_dense) != \
-            (fmt.name, fmt.n_keys, fmt.pooling, fmt.n_dense):
-        raise ConfigError(f"checkpoint was trained on {saved_fmt.name} records, "
-                          f"{source} is {fmt.name}: their features do not match")
+    if features(saved_fmt) != features(fmt):
+        raise ConfigError(f"checkpoint was trained on {describe_features(saved_fmt)}, "
+                          f"{source} decodes to {describe_features(fmt)}: their features do not match")
+    if (start or 0) < 0 or (stop is not None and stop < (start or 0)):
+        raise ConfigError(f"--start {start} / --stop {stop}: need 0 <= start <= stop (data-line offsets)")
     n_total = count_records(path, fmt)
     if start is not None or stop is not None:
         start, rows = start or 0, "the given range"
@@ -532,8 +595,9 @@ def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str | N
     configure_torch(cfg)
     trainer = Trainer.for_format(cfg, fmt, read_only=True)     # never moves a row
     trainer.load_state_tensors(state.tensors["trainer"])
-    acc = evaluate(trainer, path, fmt, start, stop, cfg.data.chunk_records)
+    acc, rejected = evaluate(trainer, path, fmt, start, stop, cfg.data.chunk_records)
     trainer.store.close()
     end = n_total if stop is None else min(stop, n_total)
     return {**acc.as_dict(), "checkpoint": str(checkpoint), "step": state.step,
-            "source": source, "start": start, "stop": end, "rows": rows}
+            "source": source, "start": start, "stop": end, "rows": rows,
+            "rejected": sum(rejected.values()), "rejected_by_reason": rejected}

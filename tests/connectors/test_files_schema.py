@@ -73,6 +73,27 @@ def test_csv_header_without_a_declared_column_is_one_clear_error(tmp_path):
         FileSource(p, fmt)
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path):
+    from stream_ctr.connectors.schema_infer import infer_schema
+    path = tmp_path / "export.csv"
+    path.write_bytes(b"\xef\xbb\xbfy,site,n\n" + b"".join(b"%d,s%d,%d\n" % (i % 2, i % 3, i) for i in range(60)))
+    schema, _ = infer_schema(path, "csv", 50)
+    assert schema.fields[0].name == "y" and schema.fields[0].path == "y"
+    fmt, p = detect_format(f"csv:{path}", CSV_SCHEMA)
+    with FileSource(p, fmt) as src:
+        assert src.fmt.columns == ("y", "site", "n")
+        batch, rejected = src.read()
+    assert len(batch) == 60 and rejected == []
+
+
+def test_a_header_that_is_one_column_under_the_delimiter_names_the_likely_one(tmp_path):
+    path = tmp_path / "log.csv"
+    path.write_text("y,site,n\n1,a,3\n")
+    fmt, p = detect_format(f"csv:{path}", CSV_SCHEMA.replace('header = true', 'header = true\ndelimiter = ";"'))
+    with pytest.raises(SourceError, match="one column under the schema's delimiter ';'.*delimiter = ','"):
+        FileSource(p, fmt)
+
+
 @pytest.mark.parametrize("spec, schema, needle", [
     ("json:{p}", "", "needs a schema"),
     ("csv:{p}", AD_LOG_SCHEMA, "the schema's encoding is 'json'"),

@@ -82,6 +82,9 @@ def test_toml_round_trip(schema):
     ("[schema.fields.x]\nkind = 'event_time'\nformat = '%Y-%j'", ["x", "%j", "not supported"]),
     ("[schema.fields.x]\nkind = 'event_time'\nunit = 'us'", ["x", "unit"]),
     ("[schema.fields.x]\nkind = 'time_part'\npart = 'minute'", ["x", "part"]),
+    ("[schema.fields.x]\nkind = 'weight'\ndefault = -1", ["x", "weight's default must be >= 0"]),
+    ("[schema.fields.x]\nkind = 'event_time'\ndefault = 'yesterday'", ["x", "number >= 0 (epoch ms)"]),
+    ("[schema.fields.x]\nkind = 'event_time'\nformat = '%Y-%m-%d'\ndefault = 5", ["x", "time string"]),
     ("[schema.crosses.c]\nfields = ['user_id']", ["c", "two or more"]),
     ("[schema.crosses.c]\nfields = ['user_id', 'clicked']", ["c", "'clicked'", "not a key field"]),
     ("[schema.fields.y]\nkind = 'label'", ["exactly one", "clicked", "y"]),
@@ -94,6 +97,21 @@ def test_errors_name_the_field_and_what_to_do(fragment, words):
     for word in words:
         assert word in str(err.value)
     assert str(err.value).startswith("s.toml")
+
+
+@pytest.mark.parametrize("label, ok", [
+    ("default = 7", False), ("default = 'yes'", False), ("default = 0", True), ("default = true", True),
+    ("default = 'false'", True), ("threshold = 0.5\ndefault = 0.7", True),
+])
+def test_a_label_default_is_checked_when_the_schema_loads(label, ok):
+    """Not at the first record without a label, mid-stream."""
+    text = f"[schema]\nencoding = 'json'\n[schema.fields.clicked]\nkind = 'label'\n{label}\n" \
+           "[schema.fields.user_id]\nkind = 'categorical'\n"
+    if ok:
+        parse_schema(text, "s.toml")
+    else:
+        with pytest.raises(SchemaError, match="clicked.*default must be 0, 1, true or false"):
+            parse_schema(text, "s.toml")
 
 
 @pytest.mark.parametrize("text, words", [

@@ -74,12 +74,62 @@ def test_bad_records_are_dead_lettered_naming_the_field(ad_log, tmp_path):
     assert "price = 'cheap'" in letters[1]["detail"] and letters[2]["raw"] == bad[2]
 
 
+def test_a_schema_that_fits_no_record_fails_without_moving_the_resume_point(ad_log, tmp_path):
+    """Every record rejected (a JSON schema on a Criteo file, a resume on another layout's
+    file): exit 3 naming the reason and the dead letters; no checkpoint is written, so a
+    corrected rerun still reads those records."""
+    schema = tmp_path / "s.toml"
+    schema.write_text(run("schema", "infer", f"json:{ad_log}", "--quiet").stdout)
+    tsv = tmp_path / "day.tsv"
+    assert run("synth", tsv, "--records", "500", "--quiet").returncode == 0
+    out = run("train", tsv, "--schema", schema, "--run-dir", tmp_path / "a", "--quiet")
+    assert out.returncode == 3 and "every record read from" in out.stderr, out.stderr
+    assert "bad_json 500" in out.stderr and "dead_letter.jsonl" in out.stderr
+    assert not (tmp_path / "a" / "checkpoints").exists() or not any((tmp_path / "a" / "checkpoints").iterdir())
+    # A run that trained, resumed on a file its schema cannot read: refused, checkpoint kept.
+    run_dir = tmp_path / "b"
+    last_json(run("train", f"json:{ad_log}", "--schema", schema, "--limit", "1000", "--run-dir", run_dir,
+                  "--json", "--quiet"))
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    out = run("train", tsv, "--resume", run_dir, "--quiet")
+    assert out.returncode == 3 and "Nothing was checkpointed" in out.stderr, out.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    # Model or optimizer options on a resume would be ignored: refused, naming them.
+    out = run("train", "--resume", run_dir, "--model", "dcn", "--set", "optim.lr_dense=0.01", "--quiet")
+    assert out.returncode == 2 and "model.name = 'dcn' (the run has 'deepfm')" in out.stderr, out.stderr
+    assert "optim.lr_dense = 0.01" in out.stderr
+    assert run("export", run_dir, "--out", tmp_path / "bundle", "--quiet").returncode == 0
+    out = run("train", "--resume", tmp_path / "bundle", "--quiet")
+    assert out.returncode == 4 and "is a serving bundle" in out.stderr, out.stderr
+    resumed = last_json(run("train", "--resume", run_dir, "--limit", "500", "--json", "--quiet"))
+    assert resumed["records_trained"] == 500 and resumed["records_trained_total"] == 1500
+
+
+def test_eval_and_train_say_how_many_records_did_not_decode(ad_log, tmp_path):
+    lines = ad_log.read_text().splitlines()[:400]
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("\n".join(lines[:300] + ["[1, 2]"] * 50 + lines[300:]) + "\n")
+    schema = tmp_path / "s.toml"
+    schema.write_text(run("schema", "infer", f"json:{ad_log}", "--quiet").stdout)
+    run_dir = tmp_path / "run"
+    out = run("train", f"json:{mixed}", "--schema", schema, "--run-dir", run_dir, "--quiet")
+    assert out.returncode == 0 and "50 rejected: not_an_object 50; see" in out.stdout, out.stdout
+    result = last_json(run("eval", run_dir, f"json:{mixed}", "--json", "--quiet"))
+    assert (result["records"], result["rejected"], result["rejected_by_reason"]) == \
+        (400, 50, {"not_an_object": 50})
+    out = run("eval", run_dir, f"json:{mixed}", "--quiet")
+    assert "50 records did not decode and were not scored (not_an_object 50)" in out.stdout
+    out = run("eval", run_dir, "--start", "100", "--stop", "50")
+    assert out.returncode == 2 and "need 0 <= start <= stop" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("args, needle, code", [
     (["train", "json:{log}", "--run-dir", "{tmp}/r"], "needs a schema: pass --schema FILE", 3),
     (["train", "criteo:sample", "--schema", "{tmp}/s.toml", "--run-dir", "{tmp}/r"], "built-in layout", 3),
     (["train", "json:{log}", "--schema", "{tmp}/nope.toml", "--run-dir", "{tmp}/r"], "cannot read it", 2),
     (["train", "json:{log}", "--schema", "{tmp}/bad.toml", "--run-dir", "{tmp}/r"], "[schema.fields.x]", 2),
     (["schema", "infer", "json:{log}", "--label", "nope"], "--label 'nope' is not a field", 2),
+    (["schema", "infer", "criteo:{log}"], "whose layout is built in", 2),
 ])
 def test_schema_mistakes_are_one_clear_line(ad_log, tmp_path, args, needle, code):
     (tmp_path / "s.toml").write_text(run("schema", "infer", f"json:{ad_log}", "--quiet").stdout)
