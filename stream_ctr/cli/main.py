@@ -447,9 +447,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, SchemaError) as e:
         print(f"stream-ctr: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except FileExistsError as e:          # e.g. --run-dir naming a file: a directory was needed
-        print(f"stream-ctr: error: {e.filename} exists and is not a directory, where the command "
-              "needs one (check --run-dir, --out and the paths in --set)", file=sys.stderr)
+    except FileExistsError as e:
+        if e.filename is not None and not os.path.isdir(e.filename):   # e.g. --run-dir naming a file
+            print(f"stream-ctr: error: {e.filename} exists and is not a directory, where the command "
+                  "needs one (check --run-dir, --out and the paths in --set)", file=sys.stderr)
+        else:                             # our own messages (an export that would overwrite files)
+            print(f"stream-ctr: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (SourceError, FileNotFoundError) as e:
         print(f"stream-ctr: error: {e}", file=sys.stderr)

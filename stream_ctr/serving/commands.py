@@ -251,8 +251,14 @@ def cmd_predict(args: argparse.Namespace) -> tuple[dict, str]:
         raise ConfigError(f"the bundle's model takes {bundle.manifest['record_format']['name']} records, "
                           f"{source} holds {fmt.name}")
     start, stop, rows = _lines(args, run, path)
-    probs, labels, rejected = score_file(scorer, path, fmt, start, stop, args.chunk_records)
     out = Path(args.out)
+    if not out.parent.is_dir():          # before scoring, not after it
+        raise ConfigError(f"--out {out}: the directory {out.parent} does not exist")
+    probs, labels, rejected = score_file(scorer, path, fmt, start, stop, args.chunk_records)
+    if rejected and not len(probs):
+        raise SourceError(f"none of the {rejected:,} records of {source} (lines {start:,}-) decoded "
+                          f"under the bundle's {fmt.name or 'schema'} layout: is it the layout the run "
+                          "trained on? Nothing was written")
     if out.suffix == ".npy":
         np.save(out, probs.astype(np.float32))
     else:
