@@ -321,8 +321,10 @@ def detect_format(spec: str, schema: Schema | str | None = None) -> tuple[Layout
         path = Path(rest).expanduser()
     elif colon and prefix.lower() in FORMATS:
         if declared is not None:
-            raise SourceError(f"source {spec!r}: {prefix.lower()} records have a built-in layout; "
-                              "--schema / [schema] is for json:PATH and csv:PATH sources")
+            raise SourceError(f"source {spec!r}: {prefix.lower()} records have a built-in layout, but "
+                              "a schema applies here (--schema, [schema], or the one a run trained "
+                              "with, from its checkpoint or bundle); a schema is for json:PATH and "
+                              "csv:PATH sources")
         fmt = FORMATS[prefix.lower()]
         path = SAMPLE_PATHS[fmt.name] if rest == "sample" else Path(rest).expanduser()
     elif colon and len(prefix) > 1 and prefix.isidentifier() and not Path(spec).exists():

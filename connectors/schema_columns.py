@@ -301,8 +301,20 @@ def cross_keys(parts: list[np.ndarray], field_id: int) -> np.ndarray:
     return hash_ints(state.view(np.int64), np.int64(field_id))
 
 
+# A declared unit that does not fit the numbers: epoch seconds above 1e11 are year 5138 and
+# later (epoch ms read as seconds), epoch ms in [1e8, 1e11) are 1970-01-02..1973 (epoch seconds
+# read as ms). Both are bad values, so a wrong `unit` is one clear reject, not wrong event times.
+EPOCH_S_MAX = 1e11
+EPOCH_MS_SECONDS_LIKE = (1e8, 1e11)
+
+
 def epoch_ms(raw: TextColumn | list[Any], unit: str) -> tuple[np.ndarray, np.ndarray]:
     values, status = numbers(raw)
+    if unit == "s":
+        status[(status == OK) & (values >= EPOCH_S_MAX)] = BAD
+    else:
+        lo, hi = EPOCH_MS_SECONDS_LIKE
+        status[(status == OK) & (values >= lo) & (values < hi)] = BAD
     scale = 1000.0 if unit == "s" else 1.0
     ms = np.floor(values * scale)
     status[(status == OK) & ((ms < -(2.0 ** 62)) | (ms > 2.0 ** 62))] = BAD

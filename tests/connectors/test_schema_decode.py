@@ -137,6 +137,19 @@ def test_epoch_seconds_and_milliseconds():
         assert b.event_time_ms.tolist() == [1700000000250]
 
 
+@pytest.mark.parametrize("unit, value, hint", [
+    ("s", 1700000000250, 'look like epoch ms, unit = "ms"'),       # ms declared as seconds: year ~55,800
+    ("ms", 1700000000, 'looks like epoch seconds, unit = "s"'),     # seconds declared as ms: 1970-01-20
+])
+def test_a_unit_that_does_not_fit_the_numbers_is_a_bad_value(unit, value, hint):
+    s = parse_schema(f"[schema]\nencoding='json'\n[schema.fields.y]\nkind='label'\n"
+                     f"[schema.fields.a]\nkind='categorical'\n[schema.fields.t]\nkind='event_time'\n"
+                     f"unit='{unit}'\n")
+    b, rejected = decode_records(_lines({"y": 1, "a": "x", "t": value}, {"y": 1, "a": "x", "t": 5}), s, "p", 0)
+    assert len(b) == 1 and b.event_time_ms.tolist() == [5000 if unit == "s" else 5]   # small: accepted
+    assert [r.reason for r in rejected] == ["bad_value:t"] and hint in rejected[0].detail
+
+
 def test_non_ascii_tokens_hash_as_utf8():
     s = parse_schema("[schema]\nencoding='json'\n[schema.fields.y]\nkind='label'\n[schema.fields.a]\n"
                      "kind='categorical'\n")

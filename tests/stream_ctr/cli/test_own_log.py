@@ -101,6 +101,8 @@ def test_a_schema_that_fits_no_record_fails_without_moving_the_resume_point(ad_l
     assert run("export", run_dir, "--out", tmp_path / "bundle", "--quiet").returncode == 0
     out = run("train", "--resume", tmp_path / "bundle", "--quiet")
     assert out.returncode == 4 and "is a serving bundle" in out.stderr, out.stderr
+    out = run("eval", run_dir, f"criteo:{tsv}")         # the run's schema cannot read a Criteo file
+    assert out.returncode == 3 and "the one a run trained with" in out.stderr, out.stderr
     out = run("predict", tmp_path / "bundle", tsv, "--out", tmp_path / "p.txt")
     assert out.returncode == 3 and "none of the 500 records" in out.stderr, out.stderr
     assert not (tmp_path / "p.txt").exists()
