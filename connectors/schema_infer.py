@@ -193,6 +193,11 @@ def _guess_fields(leaves: dict[str, _Leaf], n: int, label: str | None, origin: s
         f, comment = _guess_one(name, path, leaf, n, have_time)
         have_time |= isinstance(f, EventTimeField)
         fields.append(f)
+        if path.rsplit(".", 1)[-1].lower() in LABEL_NAMES and leaf.values and _is_binary(leaf.values):
+            # --label named another field: a second outcome as a feature would leak the answer.
+            comment += (f"; WARNING: named and valued like a label ({_share_true(leaf.values):.1%} "
+                        "positive): if it is an outcome known only after the impression, set "
+                        'kind = "ignore"')
         comments[name] = comment
     if not any(isinstance(f, (CategoricalField,)) or (isinstance(f, NumericField) and f.is_key)
                for f in fields):

@@ -68,6 +68,13 @@ def choose_run_dir(cfg: Config, resume: str | None, now_s: float | None = None) 
                               "or train into another --run-dir (or none: every run gets its own)")
         return p
     if resume is not None:
+        ckpt = Path(resume)
+        if ((ckpt / "manifest.json").exists() and ckpt.parent.name != "checkpoints"
+                and not (ckpt.parent / "LATEST").exists()):
+            # A checkpoint copied out of its run: its parent is no run directory, and the
+            # continued run would scatter its files there.
+            raise ConfigError(f"--resume {resume} is a checkpoint outside any run directory: "
+                              "say where the continued run writes with --run-dir DIR")
         return run_dir_of(resume)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now_s is None else now_s))
     base = f"{stamp}-{cfg.model.name}-{source_slug(cfg.data.source)}"

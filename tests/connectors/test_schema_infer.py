@@ -74,3 +74,14 @@ def test_lists_of_scalars_are_multi_hot_and_lists_of_objects_ignored(tmp_path):
     assert "25% empty" in comments["tags"]
     assert kinds["maybe"] == MultiHotField("maybe", "maybe", max_len=2, pooling="mean", optional=True)
     assert isinstance(kinds["objs"], IgnoreField)
+
+
+def test_a_second_label_like_field_is_flagged_when_another_is_named(tmp_path):
+    """--label conversion on a log that also has `clicked`: a feature that is an outcome leaks it."""
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps({"conversion": i % 7 == 0, "clicked": i % 3 == 0, "ad": f"a{i % 5}"}) + "\n"
+                            for i in range(60)))
+    schema, comments = infer_schema(path, "json", 60, label="conversion")
+    assert schema.fields[0].name == "conversion"
+    assert "WARNING: named and valued like a label" in comments["clicked"]
+    assert "WARNING" not in comments["ad"]

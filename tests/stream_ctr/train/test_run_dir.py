@@ -61,10 +61,18 @@ def test_choose_run_dir_rules(tmp_path, monkeypatch):
     for resume in (run, run / "checkpoints", run / "checkpoints" / "ckpt-00000010"):
         assert run_dir_of(resume) == run
         assert choose_run_dir(cfg, str(resume)) == run
+    # A checkpoint copied out of its run: no run directory to write into without --run-dir.
+    copied = tmp_path / "backup" / "ckpt-00000010"
+    copied.mkdir(parents=True)
+    (copied / "manifest.json").write_text("{}")
+    with pytest.raises(ConfigError, match="outside any run directory: .*--run-dir"):
+        choose_run_dir(cfg, str(copied))
     cfg.train.run_dir = str(run)
     with pytest.raises(ConfigError, match="already holds a run"):
         choose_run_dir(cfg, None)
     assert choose_run_dir(cfg, str(run)) == run
+    cfg.train.run_dir = str(tmp_path / "continued")
+    assert choose_run_dir(cfg, str(copied)) == tmp_path / "continued"
 
 
 @pytest.mark.parametrize("source, slug", [
