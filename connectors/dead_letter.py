@@ -10,15 +10,26 @@ Schema decoders add a "detail" (e.g. "price = 'abc': expected a number").
 `offset` is the record's offset in its partition (for a file, the 0-based
 data-line number); `line` is ``offset + 1``, the 1-based data-line number a
 person would look up (for a file with a header, the file line is ``line + 1``).
-`raw` is the record decoded as UTF-8 with undecodable bytes replaced.
+`raw` is the record decoded as UTF-8 with undecodable bytes replaced; a record
+that is not valid UTF-8 also gets `raw_b64`, its exact bytes in base64.
 """
 from __future__ import annotations
 
+import base64
 import json
 from collections import Counter
 from pathlib import Path
 
 from stream_ctr.connectors.batch import Rejected
+
+
+def _raw_fields(raw: bytes) -> dict[str, str]:
+    """`raw` as text; bytes that are not UTF-8 also as base64 (`raw_b64`), so the record can
+    be replayed byte for byte (the text shows them as U+FFFD)."""
+    try:
+        return {"raw": raw.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"raw": raw.decode("utf-8", errors="replace"), "raw_b64": base64.b64encode(raw).decode()}
 
 
 class DeadLetterFile:
@@ -39,7 +50,7 @@ class DeadLetterFile:
             raise ValueError(f"dead-letter file {self.path} is closed")
         lines = [json.dumps({"partition": r.partition, "offset": r.offset, "line": r.offset + 1,
                              "reason": r.reason, **({"detail": r.detail} if r.detail else {}),
-                             "raw": r.raw.decode("utf-8", errors="replace")}, ensure_ascii=False)
+                             **_raw_fields(r.raw)}, ensure_ascii=False)
                  for r in rejected]
         self._file.write("\n".join(lines) + "\n")
         self._file.flush()

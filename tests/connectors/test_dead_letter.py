@@ -1,4 +1,5 @@
 """Dead-letter JSON lines: content, counts, appends, undecodable bytes."""
+import base64
 import json
 
 from stream_ctr.connectors.batch import Rejected
@@ -18,6 +19,8 @@ def test_dead_letter_writes_json_lines_and_counts(tmp_path):
     assert records[0] == {"partition": "file:x.tsv", "offset": 0, "line": 1,
                           "reason": "bad_label", "raw": "x\t1"}
     assert records[1]["line"] == 42 and records[1]["raw"] == "\ufffd\ufffdabc"
+    assert base64.b64decode(records[1]["raw_b64"]) == b"\xff\xfeabc"     # replayable byte for byte
+    assert "raw_b64" not in records[0]
     with DeadLetterFile(path) as again:                     # appends, never truncates
         again.write([Rejected("p", 1, "bad_time", b"1")])
     assert len(path.read_text().splitlines()) == 4
