@@ -100,7 +100,8 @@ def infer_from_lines(lines: list[bytes], encoding: str, n_records: int = DEFAULT
 
 def format_inferred(schema: Schema, comments: dict[str, str], source: str, n_records: int) -> str:
     """The TOML that `stream-ctr schema infer` prints: a header, then the schema with comments."""
-    head = (f"# Schema inferred by `stream-ctr schema infer` from {n_records:,} records of {source}.\n"
+    head = (f"# Schema inferred by `stream-ctr schema infer` from the first {n_records:,} records (at most) "
+            f"of {source}.\n"
             "# Each comment says why a field got its kind; edit freely (connectors/schema.py documents\n"
             "# the language), then train with --schema THIS_FILE.\n")
     return head + schema_to_toml(schema, comments)
@@ -187,7 +188,7 @@ def _guess_fields(leaves: dict[str, _Leaf], n: int, label: str | None, origin: s
             threshold = None if _is_binary(leaf.values) else 0.5
             fields.insert(0, LabelField(name, path, threshold=threshold))
             comments[name] = (f"the label: {'named by --label' if named else 'guessed: booleans or 0/1'}; "
-                              f"{_share_true(leaf.values):.1%} positive in the sample"
+                              f"{_share_true(leaf.values):.1%} positive in the {n:,} records sampled"
                               + ("" if threshold is None else "; not 0/1, so >= 0.5 counts as a click"))
             continue
         f, comment = _guess_one(name, path, leaf, n, have_time)
