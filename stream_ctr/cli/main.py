@@ -469,8 +469,9 @@ def main(argv: list[str] | None = None) -> int:
                   "(0: any free one)", file=sys.stderr)
             return EXIT_USAGE
         where = f" {e.filename}" if e.filename else ""
-        print(f"stream-ctr: error: cannot use{where}: {e.strerror or e} (check --run-dir, "
-              f"permissions and free disk space)", file=sys.stderr)
+        print(f"stream-ctr: error: cannot use{where}: {e.strerror or e} (check that path in the "
+              "command: --run-dir, --out, a path in --set; its permissions and free disk space)",
+              file=sys.stderr)
         return EXIT_STATE
     except KeyboardInterrupt:
         print("stream-ctr: interrupted", file=sys.stderr)
