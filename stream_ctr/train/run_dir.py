@@ -69,7 +69,7 @@ def choose_run_dir(cfg: Config, resume: str | None, now_s: float | None = None) 
         return p
     if resume is not None:
         ckpt = Path(resume)
-        if ((ckpt / "manifest.json").exists() and ckpt.parent.name != "checkpoints"
+        if ((ckpt / "state.json").exists() and ckpt.parent.name != "checkpoints"
                 and not (ckpt.parent / "LATEST").exists()):
             # A checkpoint copied out of its run: its parent is no run directory, and the
             # continued run would scatter its files there.

@@ -65,6 +65,7 @@ def test_choose_run_dir_rules(tmp_path, monkeypatch):
     copied = tmp_path / "backup" / "ckpt-00000010"
     copied.mkdir(parents=True)
     (copied / "manifest.json").write_text("{}")
+    (copied / "state.json").write_text("{}")
     with pytest.raises(ConfigError, match="outside any run directory: .*--run-dir"):
         choose_run_dir(cfg, str(copied))
     cfg.train.run_dir = str(run)
