@@ -329,10 +329,11 @@ class _Converted:
             return f"missing:{f.name}", f"{f.name} (path {f.path!r}) is missing; give it a default"
         expected = _EXPECTED.get(f.kind, "a value")
         if isinstance(f, EventTimeField):
+            lo, hi = col.EPOCH_MS_SECONDS_LIKE
             expected = (f"a time like {f.format!r}" if f.format else
-                        'a number (epoch s, below 1e11: larger ones look like epoch ms, unit = "ms")'
+                        f'a number (epoch s, below {col.EPOCH_S_MAX:g}: larger ones look like epoch ms, unit = "ms")'
                         if f.unit == "s" else
-                        'a number (epoch ms; 1e8-1e11 looks like epoch seconds, unit = "s")')
+                        f'a number (epoch ms; {lo:g}-{hi:g} looks like epoch seconds, unit = "s")')
         if isinstance(f, NumericField) and f.transform == "log":
             expected = 'a number > 0 (transform = "log")'
         return f"bad_value:{f.name}", f"{f.name} = {value!r}: expected {expected}"

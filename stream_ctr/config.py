@@ -372,6 +372,12 @@ MODELS = ("deepfm", "wdl", "dcn", "dcnv2")
 TIMESERIES_MIN_BYTES = 64 << 10
 
 
+def check_line_range(start: int | None, stop: int | None) -> None:
+    """`--start` / `--stop` of eval and predict (data-line offsets): 0 <= start <= stop."""
+    if (start or 0) < 0 or (stop is not None and stop < (start or 0)):
+        raise ConfigError(f"--start {start} / --stop {stop}: need 0 <= start <= stop (data-line offsets)")
+
+
 def validate(cfg: Config) -> Config:
     """Raise ConfigError naming the first option whose value cannot work."""
     d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.train

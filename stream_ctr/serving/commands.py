@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stream_ctr.config import Config, ConfigError
+from stream_ctr.config import Config, ConfigError, check_line_range
 from stream_ctr.connectors.files import SourceError, count_records, detect_format
 from stream_ctr.serving.bundle import read_bundle
 from stream_ctr.serving.export import checkpoint_record, export_bundle
@@ -226,8 +226,7 @@ def held_out_lines(cfg: Config) -> dict | None:
 def _lines(args: argparse.Namespace, run: dict, path: Path) -> tuple[int, int | None, str]:
     """(start, stop, which rows) to score, as `stream-ctr eval` picks them."""
     held = run.get("held_out")
-    if (args.start or 0) < 0 or (args.stop is not None and args.stop < (args.start or 0)):
-        raise ConfigError(f"--start {args.start} / --stop {args.stop}: need 0 <= start <= stop")
+    check_line_range(args.start, args.stop)
     if args.start is not None or args.stop is not None:
         return args.start or 0, args.stop, "the given range"
     if args.all or held is None or Path(held["path"]) != path.resolve():

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -20,7 +21,7 @@ from stream_ctr.connectors.files import FileSource, SourceError, count_records, 
 from stream_ctr.connectors.read_ahead import ReadAhead
 from stream_ctr.train.checkpoint import (CheckpointState, holds_checkpoint, load_checkpoint, resolve_checkpoint,
                                          save_checkpoint)
-from stream_ctr.config import Config, ConfigError, describe_optim, validate
+from stream_ctr.config import Config, ConfigError, check_line_range, describe_optim, validate
 from stream_ctr.serving.export import checkpoint_record
 from stream_ctr.serving.publisher import open_publisher
 from stream_ctr.train.evaluation import Accuracy, PrequentialWindow, accuracy
@@ -132,12 +133,13 @@ def refuse_changed_model(cfg: Config, saved: Config, resume: str) -> None:
     optim.* value the command set (it differs from the default) that differs from the
     checkpoint's would be ignored silently: refuse it, naming each one."""
     default = Config()
-    changed = [f"{section}.{f.name} = {getattr(getattr(cfg, section), f.name)!r} "
-               f"(the run has {getattr(getattr(saved, section), f.name)!r})"
-               for section in ("model", "optim")
-               for f in dataclasses.fields(getattr(cfg, section))
-               if getattr(getattr(cfg, section), f.name) != getattr(getattr(default, section), f.name)
-               and getattr(getattr(cfg, section), f.name) != getattr(getattr(saved, section), f.name)]
+    changed = []
+    for section in ("model", "optim"):
+        given, run_has, default_has = (getattr(c, section) for c in (cfg, saved, default))
+        for f in dataclasses.fields(given):
+            value = getattr(given, f.name)
+            if value != getattr(default_has, f.name) and value != getattr(run_has, f.name):
+                changed.append(f"{section}.{f.name} = {value!r} (the run has {getattr(run_has, f.name)!r})")
     if changed:
         raise ConfigError(f"--resume {resume} continues the run's model and optimizer, but this command "
                           f"sets {'; '.join(changed)}; drop those options, or train a new run with them")
@@ -514,23 +516,22 @@ def evaluate(trainer: Trainer, path: Path, fmt, start_offset: int, stop_offset: 
              chunk_records: int) -> tuple[Accuracy, dict[str, int]]:
     """Score records [start_offset, stop_offset) without training on them: their accuracy
     and the records that did not decode, counted by reason."""
-    rejected: dict[str, int] = {}
+    rejected: Counter[str] = Counter()
     acc = accuracy(*score(trainer, path, fmt, start_offset, stop_offset, chunk_records, rejected))
-    return acc, rejected
+    return acc, dict(rejected)
 
 
 def score(trainer: Trainer, path: Path, fmt, start_offset: int, stop_offset: int | None,
-          chunk_records: int, rejected: dict[str, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+          chunk_records: int, rejected: Counter[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Scores and labels of records [start_offset, stop_offset), without training on them.
     Records that do not decode are not scored; `rejected` (if given) counts them by reason."""
     probs, labels = [], []
-    rejected = {} if rejected is None else rejected
+    rejected = Counter() if rejected is None else rejected
     with FileSource(path, fmt, start_offset=start_offset, chunk_records=chunk_records,
                     stop_offset=stop_offset) as source:
         while not source.exhausted:
             chunk, bad = source.read()
-            for r in bad:
-                rejected[r.reason] = rejected.get(r.reason, 0) + 1
+            rejected.update(r.reason for r in bad)
             if len(chunk):
                 probs.append(trainer.predict(chunk))
                 labels.append(chunk.labels)
@@ -580,8 +581,7 @@ def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str | N
     if features(saved_fmt) != features(fmt):
         raise ConfigError(f"checkpoint was trained on {describe_features(saved_fmt)}, "
                           f"{source} decodes to {describe_features(fmt)}: their features do not match")
-    if (start or 0) < 0 or (stop is not None and stop < (start or 0)):
-        raise ConfigError(f"--start {start} / --stop {stop}: need 0 <= start <= stop (data-line offsets)")
+    check_line_range(start, stop)
     n_total = count_records(path, fmt)
     if start is not None or stop is not None:
         start, rows = start or 0, "the given range"
