@@ -23,7 +23,7 @@ from pathlib import Path
 from stream_ctr.connectors.batch import Rejected
 
 
-def _raw_fields(raw: bytes) -> dict[str, str]:
+def raw_fields(raw: bytes) -> dict[str, str]:
     """`raw` as text; bytes that are not UTF-8 also as base64 (`raw_b64`), so the record can
     be replayed byte for byte (the text shows them as U+FFFD)."""
     try:
@@ -50,7 +50,7 @@ class DeadLetterFile:
             raise ValueError(f"dead-letter file {self.path} is closed")
         lines = [json.dumps({"partition": r.partition, "offset": r.offset, "line": r.offset + 1,
                              "reason": r.reason, **({"detail": r.detail} if r.detail else {}),
-                             **_raw_fields(r.raw)}, ensure_ascii=False)
+                             **raw_fields(r.raw)}, ensure_ascii=False)
                  for r in rejected]
         self._file.write("\n".join(lines) + "\n")
         self._file.flush()

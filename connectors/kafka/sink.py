@@ -7,6 +7,10 @@ A dead-letter message is one rejected record::
              "reason": "bad_integer", "raw": "0\\t1\\tx\\t..."}
     headers reason, source_partition, source_offset
 
+As in the dead-letter file, schema decoders add a "detail" (the field and
+value), and a record that is not valid UTF-8 also gets "raw_b64", its exact
+bytes in base64 (`raw` shows them as U+FFFD).
+
 `offset` is the Kafka offset of the message the record was in (the lines of
 a packed message share it).  `write()` returns only once the broker has
 acknowledged every record (retrying through outages), so a record is never
@@ -34,6 +38,7 @@ import time
 from collections import Counter
 
 from stream_ctr.connectors.batch import Rejected
+from stream_ctr.connectors.dead_letter import raw_fields
 from stream_ctr.connectors.files import SourceError
 from stream_ctr.connectors.kafka.options import KafkaUrl, client_config, split_partition_name
 
@@ -199,7 +204,7 @@ class KafkaDeadLetter:
     def _send(self, r: Rejected):
         topic, partition = split_partition_name(r.partition)
         value = {"topic": topic, "partition": partition, "offset": r.offset, "reason": r.reason,
-                 "raw": r.raw[:RAW_LIMIT_BYTES].decode("utf-8", errors="replace")}
+                 **({"detail": r.detail} if r.detail else {}), **raw_fields(r.raw[:RAW_LIMIT_BYTES])}
         if len(r.raw) > RAW_LIMIT_BYTES:
             value.update(raw_bytes=len(r.raw), raw_sha256=hashlib.sha256(r.raw).hexdigest())
         return self._producer.send(

@@ -142,6 +142,21 @@ def test_dead_letter_topic_holds_reason_partition_offset(kafka):
     letters = kafka.dead_letters(topic)
     assert {(d["topic"], d["partition"], d["offset"], d["reason"], d["raw"]) for d in letters} == {
         ("clicks", 2, 41, "bad_integer", "0\t1\tx"), ("clicks", 0, 7, "field_count", "1\t2")}
+    assert not any("raw_b64" in d or "detail" in d for d in letters)
+
+
+def test_dead_letter_topic_keeps_the_detail_and_the_exact_bytes_of_a_non_utf8_record(kafka):
+    """As the dead-letter file does: `raw` is text (U+FFFD for bad bytes), `raw_b64` the bytes."""
+    import base64
+    topic = kafka.topic(prefix="dlq-bytes")
+    raw = b'{"site": "caf\xe9", "price": "cheap"}'
+    url = parse_kafka_url(kafka.url(topic), kafka_test_options())
+    with KafkaDeadLetter(url, topic) as sink:
+        sink.write([Rejected("clicks/1", 5, "bad_value:price", raw, "price = 'cheap': expected a number")])
+    (letter,) = kafka.dead_letters(topic)
+    assert letter["detail"] == "price = 'cheap': expected a number"
+    assert letter["raw"] == '{"site": "caf\ufffd", "price": "cheap"}'
+    assert base64.b64decode(letter["raw_b64"]) == raw
 
 
 def test_an_oversized_bad_record_is_dead_lettered_in_part_and_a_refusal_is_one_clear_error(
