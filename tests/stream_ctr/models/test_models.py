@@ -85,6 +85,19 @@ def test_fm_term_matches_naive_pair_loop():
     torch.testing.assert_close(fm_term(emb), naive)
 
 
+def test_fm_term_gradient_is_autograds_of_the_pair_sum():
+    """The hand-written backward against autograd through the plain expression, and
+    torch's numerical gradcheck; the weights of the upstream gradient differ per row."""
+    emb = torch.randn(6, 5, 4, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(6, dtype=torch.float64)
+    (fm_term(emb) * weights).sum().backward()
+    plain = emb.detach().clone().requires_grad_()
+    s = plain.sum(dim=1)
+    (0.5 * (s.square() - plain.square().sum(dim=1)).sum(dim=1) * weights).sum().backward()
+    torch.testing.assert_close(emb.grad, plain.grad)
+    assert torch.autograd.gradcheck(fm_term, (emb.detach().clone().requires_grad_(),))
+
+
 def test_deepfm_adds_fm_term_to_wide_deep():
     model = build_model(ModelConfig(name="deepfm"), F, N_DENSE)
     emb, lin, dense = inputs(3)
