@@ -16,6 +16,7 @@ Modules, one concern each:
     tiered        TieredEmbeddingStore, tying them together
     embedding     the store interface, row init, and the one-table in-memory store
     key_index     the vectorized uint64 key -> row hash map
+    probe_cpu     the maps' lookups and inserts as compiled loops on the CPU
 
 May import config, connectors and ops (and torch, lmdb); never train,
 telemetry, models, distributed, bench or cli.

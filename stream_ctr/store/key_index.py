@@ -10,10 +10,13 @@ from ~20 to ~3 (measured: 3.5 ms -> see BENCHMARKS.md).
 Row ids are handed out densely (0, 1, 2, ...) in the order keys are inserted,
 so the row a key gets does not depend on where it landed in the slot array:
 two runs that insert the same keys in the same order agree on every row id.
+On the CPU lookups and inserts are compiled loops instead (`probe_cpu`): same answers.
 """
 from __future__ import annotations
 
 import torch
+
+from stream_ctr.store import probe_cpu
 
 EMPTY = -1                      # feature signs are non-negative, so -1 marks a free slot
 PROBE_WINDOW = 8
@@ -51,6 +54,9 @@ class KeyIndex:
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """Row id of each key, or -1 where the key is absent."""
         mask = self.capacity - 1
+        if probe_cpu.usable(self.slot_keys, keys):
+            pos = probe_cpu.find_positions(self.slot_keys, keys, _slot_hash(keys, mask))
+            return torch.where(pos >= 0, self.slot_rows[pos.clamp(min=0)], EMPTY)
         window = torch.arange(PROBE_WINDOW, device=keys.device)
         pos = _slot_hash(keys, mask)
         rows = torch.full_like(keys, EMPTY)
@@ -91,6 +97,9 @@ class KeyIndex:
 
     def _place(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
         mask = self.capacity - 1
+        if probe_cpu.usable(self.slot_keys, keys) and self.slot_keys.is_contiguous():
+            probe_cpu.place(self.slot_keys, self.slot_rows, keys, rows, _slot_hash(keys, mask))
+            return
         window = torch.arange(PROBE_WINDOW, device=keys.device)
         pos = _slot_hash(keys, mask)
         pending = torch.arange(keys.numel(), device=keys.device)

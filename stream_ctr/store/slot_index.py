@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from stream_ctr.store import probe_cpu
 from stream_ctr.store.key_index import _slot_hash
 
 EMPTY = -1       # keys are non-negative feature signs
@@ -44,6 +45,8 @@ class SlotIndex:
         """Table position of each key, -1 where absent."""
         mask = self.capacity - 1
         pos = _slot_hash(keys, mask)
+        if probe_cpu.usable(self.keys, keys):             # one compiled loop, same answers
+            return probe_cpu.find_positions(self.keys, keys, pos)
         out = torch.full_like(keys, -1)
         active = torch.arange(keys.numel(), device=keys.device)
         while active.numel():
@@ -90,6 +93,9 @@ class SlotIndex:
     def _place(self, keys: torch.Tensor, vals: torch.Tensor) -> None:
         mask = self.capacity - 1
         pos = _slot_hash(keys, mask)
+        if probe_cpu.usable(self.keys, keys) and self.keys.is_contiguous():
+            probe_cpu.place(self.keys, self.vals, keys, vals.to(torch.int64), pos)
+            return
         pending = torch.arange(keys.numel(), device=keys.device)
         while pending.numel():
             p = pos[pending]

@@ -32,3 +32,60 @@ def test_colliding_keys_all_found():
     rows = index.insert(keys)
     assert torch.equal(index.lookup(keys), rows)
     assert index.lookup(torch.tensor([], dtype=torch.int64)).numel() == 0
+
+
+def _vectorized(monkeypatch):
+    """The probe rounds CUDA takes, on the CPU (the compiled loop switched off)."""
+    from stream_ctr.store import probe_cpu
+    monkeypatch.setattr(probe_cpu, "usable", lambda *tensors: False)
+
+
+def test_compiled_cpu_lookup_answers_as_the_probe_rounds(monkeypatch):
+    """A nearly half-full table (long probe runs), keys present and absent, in any order."""
+    g = torch.Generator().manual_seed(1)
+    keys = torch.unique(torch.randint(0, 2**62, (30_000,), generator=g))
+    index = KeyIndex(capacity=2 * len(keys))
+    index.insert(keys[torch.randperm(len(keys), generator=g)])
+    query = torch.cat([keys, torch.randint(0, 2**62, (5_000,), generator=g), keys[:100]])
+    query = query[torch.randperm(len(query), generator=g)]
+    compiled = index.lookup(query)
+    _vectorized(monkeypatch)
+    assert torch.equal(compiled, index.lookup(query))
+    assert torch.equal(compiled >= 0, torch.isin(query, keys))
+
+
+def test_compiled_cpu_find_probes_past_tombstones(monkeypatch):
+    from stream_ctr.store.slot_index import SlotIndex
+    g = torch.Generator().manual_seed(2)
+    keys = torch.unique(torch.randint(0, 2**62, (4_000,), generator=g))
+    index = SlotIndex(max_entries=len(keys))
+    index.insert(keys, torch.arange(len(keys)))
+    gone = keys[::3]
+    index.remove(gone)                               # tombstones inside probe runs
+    compiled = index.lookup(keys)
+    assert (compiled[::3] == -1).all()
+    kept = torch.ones(len(keys), dtype=torch.bool)
+    kept[::3] = False
+    assert torch.equal(compiled[kept], torch.arange(len(keys))[kept])
+    _vectorized(monkeypatch)
+    assert torch.equal(compiled, index.lookup(keys))
+
+
+def test_tables_built_by_compiled_inserts_and_by_probe_rounds_answer_alike(monkeypatch):
+    """Either insert path leaves every key before the first free slot of its probe run,
+    so either lookup finds it in either table; row ids follow insert order in both."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.unique(torch.randint(0, 2**62, (20_000,), generator=g))
+    keys = keys[torch.randperm(len(keys), generator=g)]
+    query = torch.cat([keys, torch.randint(0, 2**62, (2_000,), generator=g)])
+    compiled = KeyIndex(capacity=16)
+    for part in keys.chunk(7):                       # grows on the way
+        compiled.lookup_or_insert(part)
+    answers = compiled.lookup(query)
+    _vectorized(monkeypatch)
+    rounds = KeyIndex(capacity=16)
+    for part in keys.chunk(7):
+        rounds.lookup_or_insert(part)
+    assert torch.equal(rounds.lookup(query), answers)
+    assert torch.equal(compiled.lookup(query), answers)
+    assert torch.equal(answers[:len(keys)], torch.arange(len(keys)))
