@@ -129,6 +129,10 @@ class TrainConfig:
     seed: int = 1235
     threads: int = 0                # torch intra-op threads; 0 = torch default
     deterministic: bool = True
+    # Free heap glibc's malloc may keep between steps instead of handing it back and
+    # faulting it in again next step (train/heap.py): 1.2x faster steps at batch 8,192
+    # and 1.7x at 65,536 on the CPU, for up to this much more RSS; 0 = glibc's defaults.
+    heap_keep_bytes: int = 1 << 30
     # "" = a new directory per run, runs/<UTC time>-<model>-<source>, with runs/latest
     # linking to the run trained last; --resume DIR keeps writing into DIR (train/run_dir.py).
     run_dir: str = ""
@@ -415,6 +419,8 @@ def validate(cfg: Config) -> Config:
         (t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
          f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}"),
         (t.threads >= 0, f"train.threads must be >= 0, got {t.threads}"),
+        (t.heap_keep_bytes >= 0, f"train.heap_keep_bytes must be >= 0 (0: glibc's defaults), "
+                                 f"got {t.heap_keep_bytes}"),
         (t.checkpoint_every_batches >= 0, "train.checkpoint_every_batches must be >= 0"),
         (t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}"),
         (t.eval_window_records >= 1, "train.eval_window_records must be >= 1"),

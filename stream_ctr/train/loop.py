@@ -19,6 +19,7 @@ import torch
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.files import FileSource, SourceError, count_records, detect_format
 from stream_ctr.connectors.read_ahead import ReadAhead
+from stream_ctr.train.heap import keep_heap
 from stream_ctr.train.checkpoint import (CheckpointState, holds_checkpoint, load_checkpoint, resolve_checkpoint,
                                          save_checkpoint)
 from stream_ctr.config import Config, ConfigError, check_line_range, describe_optim, validate
@@ -83,6 +84,7 @@ def configure_torch(cfg: Config) -> None:
     # Gradients of saturated units underflow to denormals, which x86 cores
     # process up to 100x slower (measured: a 4x slower DeepFM step); flush them.
     torch.set_flush_denormal(True)
+    keep_heap(cfg.train.heap_keep_bytes)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if cfg.train.deterministic:
