@@ -55,8 +55,7 @@ class KeyIndex:
         """Row id of each key, or -1 where the key is absent."""
         mask = self.capacity - 1
         if probe_cpu.usable(self.slot_keys, keys):
-            pos = probe_cpu.find_positions(self.slot_keys, keys, _slot_hash(keys, mask))
-            return torch.where(pos >= 0, self.slot_rows[pos.clamp(min=0)], EMPTY)
+            return probe_cpu.find_positions(self.slot_keys, keys, _slot_hash(keys, mask), self.slot_rows)
         window = torch.arange(PROBE_WINDOW, device=keys.device)
         pos = _slot_hash(keys, mask)
         rows = torch.full_like(keys, EMPTY)

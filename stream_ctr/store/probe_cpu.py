@@ -32,12 +32,17 @@ def usable(table_keys: torch.Tensor, keys: torch.Tensor) -> bool:
             and table_keys.dtype == torch.int64 and keys.dtype == torch.int64)
 
 
-def find_positions(table_keys: torch.Tensor, keys: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """Table position of each of `keys`, -1 where absent, probing from `start`."""
+def find_positions(table_keys: torch.Tensor, keys: torch.Tensor, start: torch.Tensor,
+                   table_vals: torch.Tensor | None = None) -> torch.Tensor:
+    """Table position of each of `keys`, -1 where absent, probing from `start`; with
+    `table_vals`, the value at that position instead (-1 where absent), read in the same
+    loop (a separate gather of 43K positions took 0.5-1.9 ms)."""
     out = torch.empty_like(keys)
     if keys.numel():
+        vals = table_keys if table_vals is None else table_vals
         _kernel()(table_keys.contiguous().numpy(), keys.contiguous().numpy(),
-                  start.contiguous().numpy(), out.numpy())
+                  start.contiguous().numpy(), vals.contiguous().numpy(), table_vals is not None,
+                  out.numpy())
     return out
 
 
@@ -76,7 +81,7 @@ def _kernel():
     from numba import njit
 
     @njit(nogil=True, cache=True)
-    def find(table_keys, keys, start, out):
+    def find(table_keys, keys, start, table_vals, values, out):
         mask = table_keys.shape[0] - 1
         for i in range(keys.shape[0]):
             k = keys[i]
@@ -85,7 +90,7 @@ def _kernel():
             for _ in range(table_keys.shape[0]):        # a full table cannot loop forever
                 s = table_keys[p]
                 if s == k:
-                    out[i] = p
+                    out[i] = table_vals[p] if values else p
                     break
                 if s == EMPTY:
                     break
