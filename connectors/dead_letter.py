@@ -23,13 +23,17 @@ from pathlib import Path
 from stream_ctr.connectors.batch import Rejected
 
 
-def raw_fields(raw: bytes) -> dict[str, str]:
-    """`raw` as text; bytes that are not UTF-8 also as base64 (`raw_b64`), so the record can
-    be replayed byte for byte (the text shows them as U+FFFD)."""
+def raw_fields(raw: bytes, limit_bytes: int | None = None) -> dict[str, str]:
+    """`raw` as text; a record that is not UTF-8 also as base64 (`raw_b64`), so it can be
+    replayed byte for byte (the text shows its bad bytes as U+FFFD).  With `limit_bytes`,
+    only the record's first bytes are kept (a UTF-8 character the cut splits is dropped
+    from the text; it does not make the record look like one that is not UTF-8)."""
+    kept = raw if limit_bytes is None else raw[:limit_bytes]
     try:
-        return {"raw": raw.decode("utf-8")}
+        raw.decode("utf-8")
+        return {"raw": kept.decode("utf-8", errors="ignore")}
     except UnicodeDecodeError:
-        return {"raw": raw.decode("utf-8", errors="replace"), "raw_b64": base64.b64encode(raw).decode()}
+        return {"raw": kept.decode("utf-8", errors="replace"), "raw_b64": base64.b64encode(kept).decode()}
 
 
 class DeadLetterFile:

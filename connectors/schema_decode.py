@@ -336,7 +336,20 @@ class _Converted:
                         f'a number (epoch ms; {lo:g}-{hi:g} looks like epoch seconds, unit = "s")')
         if isinstance(f, NumericField) and f.transform == "log":
             expected = 'a number > 0 (transform = "log")'
-        return f"bad_value:{f.name}", f"{f.name} = {value!r}: expected {expected}"
+        return f"bad_value:{f.name}", f"{f.name} = {_shown(value)}: expected {expected}"
+
+
+DETAIL_VALUE_CHARS = 200             # of a bad value shown in a reject's detail
+
+
+def _shown(value: Any) -> str:
+    """`value`'s repr for a person, cut to DETAIL_VALUE_CHARS: the record itself is in the
+    dead letter's `raw`, and a multi-megabyte value must not make the dead-letter message
+    larger than a broker accepts."""
+    text = repr(value)
+    if len(text) <= DETAIL_VALUE_CHARS:
+        return text
+    return f"{text[:DETAIL_VALUE_CHARS]}... ({len(text):,} characters)"
 
 
 def _convert(schema: Schema, raw_of: Callable[[str], Any], m: int) -> _Converted:

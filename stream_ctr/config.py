@@ -419,8 +419,9 @@ def validate(cfg: Config) -> Config:
         (t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
          f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}"),
         (t.threads >= 0, f"train.threads must be >= 0, got {t.threads}"),
-        (t.heap_keep_bytes >= 0, f"train.heap_keep_bytes must be >= 0 (0: glibc's defaults), "
-                                 f"got {t.heap_keep_bytes}"),
+        (t.heap_keep_bytes == 0 or t.heap_keep_bytes >= 64 << 20,
+         f"train.heap_keep_bytes must be 0 (glibc's defaults) or at least 64MiB (a smaller "
+         f"setting maps more memory afresh than glibc's default does), got {t.heap_keep_bytes}"),
         (t.checkpoint_every_batches >= 0, "train.checkpoint_every_batches must be >= 0"),
         (t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}"),
         (t.eval_window_records >= 1, "train.eval_window_records must be >= 1"),

@@ -20,10 +20,11 @@ it retries (SIGTERM with the broker down) ends the wait with `DeadLetterUnsent`:
 the batch those records came with is not trained, so the checkpoint stays
 before them and a resumed run reads them again.
 
-A record longer than `RAW_LIMIT_BYTES` keeps only its first bytes in `raw`,
-with ``"raw_bytes"`` (its length) and ``"raw_sha256"``: one oversized bad line
-must not make a message the broker refuses (JSON escaping can grow a line
-sixfold), which would stop the stream at that record on every restart.  The
+A record longer than `RAW_LIMIT_BYTES` keeps only its first bytes in `raw`
+(and `raw_b64`), with ``"raw_bytes"`` (its length) and ``"raw_sha256"``, and
+`detail` is cut at `DETAIL_LIMIT_CHARS`: one oversized bad line must not make
+a message the broker refuses (JSON escaping can grow a line sixfold), which
+would stop the stream at that record on every restart.  The
 whole record stays at its partition/offset in the source topic.  An error the
 broker will not get over by retrying (a message too large for it, no
 permission to write the topic) is a `SourceError` naming the topic, not an
@@ -44,6 +45,7 @@ from stream_ctr.connectors.kafka.options import KafkaUrl, client_config, split_p
 
 log = logging.getLogger("stream_ctr.connectors.kafka")
 RAW_LIMIT_BYTES = 64 << 10        # of a rejected record kept in its dead-letter message
+DETAIL_LIMIT_CHARS = 1024         # of its detail (decoders keep theirs short; this is the cap)
 # The broker no longer knows this (idempotent) producer's sequence numbers -- a broker
 # restart that kept the log but not the producer state (tansu does that): a new
 # producer (a new producer id) sends the records again.
@@ -204,7 +206,8 @@ class KafkaDeadLetter:
     def _send(self, r: Rejected):
         topic, partition = split_partition_name(r.partition)
         value = {"topic": topic, "partition": partition, "offset": r.offset, "reason": r.reason,
-                 **({"detail": r.detail} if r.detail else {}), **raw_fields(r.raw[:RAW_LIMIT_BYTES])}
+                 **({"detail": r.detail[:DETAIL_LIMIT_CHARS]} if r.detail else {}),
+                 **raw_fields(r.raw, RAW_LIMIT_BYTES)}
         if len(r.raw) > RAW_LIMIT_BYTES:
             value.update(raw_bytes=len(r.raw), raw_sha256=hashlib.sha256(r.raw).hexdigest())
         return self._producer.send(

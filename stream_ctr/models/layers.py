@@ -48,6 +48,7 @@ class _FMTerm(torch.autograd.Function):
         return 0.5 * (s.square() - emb.square().sum(dim=1)).sum(dim=1)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable    # s is saved as a constant: no 2nd order
     def backward(ctx, grad_out: Tensor) -> Tensor:
         emb, s = ctx.saved_tensors
         return (s.unsqueeze(1) - emb).mul_(grad_out.view(-1, 1, 1))

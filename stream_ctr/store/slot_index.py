@@ -66,6 +66,7 @@ class SlotIndex:
 
     def insert(self, keys: torch.Tensor, vals: torch.Tensor) -> None:
         """Insert keys that are unique and absent."""
+        vals = vals.to(torch.int64)          # the table's dtype, on either path
         n = keys.numel()
         if n == 0:
             return
@@ -94,7 +95,7 @@ class SlotIndex:
         mask = self.capacity - 1
         pos = _slot_hash(keys, mask)
         if probe_cpu.usable(self.keys, keys) and self.keys.is_contiguous():
-            probe_cpu.place(self.keys, self.vals, keys, vals.to(torch.int64), pos)
+            probe_cpu.place(self.keys, self.vals, keys, vals, pos)
             return
         pending = torch.arange(keys.numel(), device=keys.device)
         while pending.numel():

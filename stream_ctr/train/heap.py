@@ -25,13 +25,18 @@ log = logging.getLogger("stream_ctr.train")
 M_TRIM_THRESHOLD = -1           # mallopt parameters (glibc malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 256 << 20
+# glibc's own threshold rises to 32 MiB by itself; setting one turns that off, so a
+# smaller setting would map more blocks afresh than the default does (config.py refuses
+# keep_bytes below this). Older glibc refuses an mmap threshold above 32 MiB: then 32 MiB.
+MIN_KEEP_BYTES = 64 << 20
+_GLIBC_MMAP_MAX_BYTES = 32 << 20
 _C_INT_MAX = (1 << 31) - 1
 
 
 def keep_heap(keep_bytes: int) -> bool:
     """Let up to `keep_bytes` of freed heap stay with the process and serve blocks up
     to `MMAP_THRESHOLD_BYTES` from the heap (glibc on Linux; elsewhere, or with
-    `keep_bytes` 0, nothing changes).  Returns whether glibc took the settings."""
+    `keep_bytes` 0, nothing changes).  Returns whether glibc took both settings."""
     if keep_bytes <= 0 or not sys.platform.startswith("linux"):
         return False
     try:
@@ -39,8 +44,12 @@ def keep_heap(keep_bytes: int) -> bool:
     except (OSError, AttributeError):       # not glibc (e.g. musl has no mallopt)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    took = (mallopt(M_MMAP_THRESHOLD, min(MMAP_THRESHOLD_BYTES, keep_bytes, _C_INT_MAX)) == 1
-            and mallopt(M_TRIM_THRESHOLD, min(keep_bytes, _C_INT_MAX)) == 1)
-    if not took:
-        log.debug("malloc did not take the heap settings (mallopt returned 0)")
-    return took
+    keep = max(keep_bytes, MIN_KEEP_BYTES)
+    mmap_ok = (mallopt(M_MMAP_THRESHOLD, min(MMAP_THRESHOLD_BYTES, keep)) == 1
+               or mallopt(M_MMAP_THRESHOLD, _GLIBC_MMAP_MAX_BYTES) == 1)
+    trim_ok = mallopt(M_TRIM_THRESHOLD, min(keep, _C_INT_MAX)) == 1
+    if not (mmap_ok and trim_ok):
+        log.debug("malloc refused %s (mallopt returned 0)",
+                  " and ".join(n for n, ok in (("the mmap threshold", mmap_ok),
+                                               ("the trim threshold", trim_ok)) if not ok))
+    return mmap_ok and trim_ok

@@ -24,3 +24,13 @@ def test_dead_letter_writes_json_lines_and_counts(tmp_path):
     with DeadLetterFile(path) as again:                     # appends, never truncates
         again.write([Rejected("p", 1, "bad_time", b"1")])
     assert len(path.read_text().splitlines()) == 4
+
+
+def test_raw_fields_cut_a_record_without_calling_it_not_utf8():
+    from stream_ctr.connectors.dead_letter import raw_fields
+    valid = b"a" * 9 + "\u00e9".encode()                  # the cut at 10 splits the e-acute
+    assert raw_fields(valid, 10) == {"raw": "a" * 9}
+    assert raw_fields(valid) == {"raw": "a" * 9 + "\u00e9"}
+    bad = b"caf\xe9 au lait"
+    cut = raw_fields(bad, 5)
+    assert cut["raw"] == "caf\ufffd " and base64.b64decode(cut["raw_b64"]) == bad[:5]

@@ -106,6 +106,16 @@ def test_bad_records_are_rejected_naming_the_field(line, reason, detail):
     assert rejected[0].raw == data.split(b"\n")[1]
 
 
+def test_a_huge_bad_value_is_shown_cut_in_the_detail_and_whole_in_raw():
+    """The detail is for a person (and goes into a dead-letter message a broker caps)."""
+    big = "x" * 3_000_000
+    data = _lines({**GOOD, "price": big})
+    _, (rejected,) = decode_records(data, JSON_SCHEMA, "p", 0)
+    assert rejected.reason == "bad_value:price" and len(rejected.detail) < 400
+    assert rejected.detail.startswith("price = 'xxx") and "(3,000,002 characters)" in rejected.detail
+    assert rejected.raw == data.rstrip(b"\n")
+
+
 def test_first_failing_field_in_declared_order_names_the_reject():
     _, rejected = decode_records(_lines({**GOOD, "user": None, "price": "x"}), JSON_SCHEMA, "p", 0)
     assert rejected[0].reason == "missing:user"

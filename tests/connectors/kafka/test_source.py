@@ -169,9 +169,10 @@ def test_an_oversized_bad_record_is_dead_lettered_in_part_and_a_refusal_is_one_c
     raw = b"\x01" * 3_000_000
     url = parse_kafka_url(kafka.url(topic), kafka_test_options())
     with KafkaDeadLetter(url, topic) as sink:
-        sink.write([Rejected("clicks/0", 9, "field_count", raw)])
+        sink.write([Rejected("clicks/0", 9, "field_count", raw, "x" * 3_000_000)])
     (letter,) = kafka.dead_letters(topic)
-    assert letter["raw"] == "\x01" * kafka_sink.RAW_LIMIT_BYTES
+    assert letter["raw"] == "\x01" * kafka_sink.RAW_LIMIT_BYTES and "raw_b64" not in letter
+    assert letter["detail"] == "x" * kafka_sink.DETAIL_LIMIT_CHARS
     assert letter["raw_bytes"] == len(raw) and letter["raw_sha256"] == hashlib.sha256(raw).hexdigest()
     # An error retrying cannot fix is one clear error, not a retry loop.
     monkeypatch.setattr(kafka_sink, "RAW_LIMIT_BYTES", 1 << 30)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from stream_ctr.store.key_index import KeyIndex
@@ -71,21 +72,37 @@ def test_compiled_cpu_find_probes_past_tombstones(monkeypatch):
     assert torch.equal(compiled, index.lookup(keys))
 
 
-def test_tables_built_by_compiled_inserts_and_by_probe_rounds_answer_alike(monkeypatch):
+def test_tables_built_by_compiled_inserts_and_by_probe_rounds_answer_alike():
     """Either insert path leaves every key before the first free slot of its probe run,
     so either lookup finds it in either table; row ids follow insert order in both."""
+    from stream_ctr.store.slot_index import SlotIndex
     g = torch.Generator().manual_seed(3)
     keys = torch.unique(torch.randint(0, 2**62, (20_000,), generator=g))
     keys = keys[torch.randperm(len(keys), generator=g)]
     query = torch.cat([keys, torch.randint(0, 2**62, (2_000,), generator=g)])
-    compiled = KeyIndex(capacity=16)
-    for part in keys.chunk(7):                       # grows on the way
-        compiled.lookup_or_insert(part)
-    answers = compiled.lookup(query)
-    _vectorized(monkeypatch)
-    rounds = KeyIndex(capacity=16)
-    for part in keys.chunk(7):
-        rounds.lookup_or_insert(part)
-    assert torch.equal(rounds.lookup(query), answers)
-    assert torch.equal(compiled.lookup(query), answers)
-    assert torch.equal(answers[:len(keys)], torch.arange(len(keys)))
+
+    def build(rounds: bool):
+        with pytest.MonkeyPatch.context() as mp:
+            if rounds:
+                _vectorized(mp)
+            index, slots = KeyIndex(capacity=16), SlotIndex(max_entries=len(keys))
+            for i, part in enumerate(keys.chunk(7)):          # grows on the way
+                index.lookup_or_insert(part)
+                slots.insert(part, torch.arange(len(part), dtype=torch.int32) + i * 10_000)
+                slots.remove(part[::5])                        # tombstones in the runs
+        return index, slots
+
+    def answers(index, slots, rounds: bool):
+        with pytest.MonkeyPatch.context() as mp:
+            if rounds:
+                _vectorized(mp)
+            return index.lookup(query), slots.lookup(query)
+
+    tables = {"compiled": build(False), "rounds": build(True)}
+    expected = answers(*tables["rounds"], rounds=True)
+    assert torch.equal(expected[0][:len(keys)], torch.arange(len(keys)))
+    assert int((expected[1] >= 0).sum()) == len(keys) - sum(len(p[::5]) for p in keys.chunk(7))
+    for built in tables.values():
+        for rounds in (False, True):
+            got = answers(*built, rounds=rounds)
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
