@@ -131,7 +131,8 @@ class TrainConfig:
     deterministic: bool = True
     # Free heap glibc's malloc may keep between steps instead of handing it back and
     # faulting it in again next step (train/heap.py): 1.2x faster steps at batch 8,192
-    # and 1.7x at 65,536 on the CPU, for up to this much more RSS; 0 = glibc's defaults.
+    # and 1.7x at 65,536 on the CPU, for up to this much more RSS; 0 = glibc's defaults
+    # (otherwise at least 64 MiB: a smaller setting would map more memory afresh, not less).
     heap_keep_bytes: int = 1 << 30
     # "" = a new directory per run, runs/<UTC time>-<model>-<source>, with runs/latest
     # linking to the run trained last; --resume DIR keeps writing into DIR (train/run_dir.py).
