@@ -13,7 +13,9 @@ column) gets a kind, and a comment saying why:
 - `ignore`: lists of objects or lists, objects of mixed shape, and
   strings unique to nearly every record (request ids: no two records share one,
   so they teach nothing);
-- `categorical`: strings, booleans, and integers with few distinct values;
+- `categorical`: strings, booleans, integers with few distinct values, and
+  whole numbers under an id-like name (site_id, adId: an id's number has no
+  order);
 - `numeric`: other numbers: `log` (ln, standardized with the sample's mean and
   std of ln) when all positive and spanning three decades or more (prices,
   durations: their effect is usually on a log scale, and standardizing the
@@ -51,6 +53,9 @@ LOG_MIN_RATIO = 1000                    # positive numbers whose max/min is this
 ID_UNIQUE_SHARE = 0.95                  # a string field this unique is an id
 LABEL_NAMES = ("click", "clicked", "label", "is_click", "target", "y", "conversion", "converted")
 TIME_NAMES = re.compile(r"(^|_|\.)(ts|time|timestamp|date|datetime|event_time)($|_)|time$", re.I)
+# A leaf named like an id (site_id, id, adId, campaignID; not bid or paid): its numbers are
+# labels with no order, so they are categorical however many there are.
+ID_NAMES = re.compile(r"(^|_)[iI][dD]s?$|[a-z0-9](Id|ID)s?$")
 TIME_FORMATS = ("%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%SZ", "%Y-%m-%d",
                 "%Y%m%d%H%M%S", "%y%m%d%H")
 DELIMITERS = (",", "\t", ";", "|")
@@ -265,6 +270,17 @@ def _guess_one(name: str, path: str, leaf: _Leaf, n: int, have_time: bool) -> tu
             return (EventTimeField(name, path, unit=unit),
                     f"numbers {lo:.0f}..{hi:.0f}: epoch {'milliseconds' if unit == 'ms' else 'seconds'}, "
                     "the event time" + ("; missing in some records: they are rejected" if optional else ""))
+    leaf_name = path.rsplit(".", 1)[-1]
+    if ID_NAMES.search(leaf_name) and bool(np.all(numbers == np.round(numbers))):
+        if distinct >= ID_UNIQUE_SHARE * len(values) and len(values) >= 20:
+            return IgnoreField(name, path), (f"{distinct:,} distinct ids of {len(values):,}: unique per "
+                                             "record, it teaches nothing")
+        as_floats = ("; WARNING: written as floats (e.g. 3.0), and a value is hashed as written, so a "
+                     "record or request that writes 3 gets another key than 3.0: write ids one way"
+                     if "float" in kinds else "")
+        return (CategoricalField(name, path, optional=optional),
+                f"whole numbers {lo:.0f}..{hi:.0f}, {distinct:,} distinct, named like an id: categorical "
+                f"(an id's number has no order){as_floats}{missing_note}")
     if kinds == {"int"} and distinct <= MAX_CATEGORICAL_INTS:
         return (CategoricalField(name, path, optional=optional),
                 f"integers {lo:.0f}..{hi:.0f}, {distinct} distinct: categorical{missing_note}")

@@ -41,6 +41,22 @@ def test_numeric_transform_by_range(tmp_path, values, transform):
     assert (field.kind if transform == "ignore" else field.transform) == transform
 
 
+def test_whole_numbers_named_like_ids_are_categorical_and_floats_among_them_flagged(tmp_path):
+    """site_id 1..400 would be standardized as a quantity by its range; under an id-like
+    name it is categorical. Written as 3.0 it hashes apart from 3: the comment says so."""
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps({
+        "clicked": i % 2, "site_id": 1 + (i * 7) % 400, "adId": float(1 + i % 300),
+        "bid": 0.5 + (i % 40) * 0.25, "request_id": i}) + "\n" for i in range(2000)))
+    schema, comments = infer_schema(path, "json", 2000)
+    kinds = {f.name: f for f in schema.fields}
+    assert kinds["site_id"] == CategoricalField("site_id", "site_id")
+    assert "named like an id" in comments["site_id"] and "WARNING" not in comments["site_id"]
+    assert isinstance(kinds["adId"], CategoricalField) and "written as floats" in comments["adId"]
+    assert isinstance(kinds["bid"], NumericField)                 # a price, not an id
+    assert isinstance(kinds["request_id"], IgnoreField) and "unique per record" in comments["request_id"]
+
+
 def test_csv_with_header_time_strings_and_missing_values(tmp_path):
     rows = ["y;site;amount;when"] + [f"{i % 2};s{i % 7};{'' if i % 5 == 0 else i * 3.5};"
                                      f"2024-01-0{1 + i % 9} 10:00:0{i % 10}" for i in range(200)]
