@@ -22,6 +22,9 @@ def test_bench_train_reports_the_same_run_bare_mlp_and_the_ratio(capsys, precisi
                 "bare_mlp_bf16_samples_per_s", "vs_bare_fp32"):
         assert positive(row[key]), key
     assert row["vs_bare_fp32"] == pytest.approx(row["samples_per_s_incl_decode"] / row["bare_mlp_fp32_samples_per_s"])
+    before, after = row["bare_mlp_fp32_before_after"]        # bracketing the timed pass
+    assert positive(before) and positive(after)
+    assert row["bare_mlp_fp32_samples_per_s"] == pytest.approx((before + after) / 2)
 
 
 def test_bench_train_times_a_compiled_trainer_after_compiling(capsys):
