@@ -122,9 +122,10 @@ class TrainConfig:
     # phase its own GPU time (costs some CPU/GPU overlap; CPU runs are always exact).
     sync_phases: bool = False
     # torch.compile the dense model (inductor: fused bias+activation kernels, on CPU and
-    # CUDA): 1.24-1.32x the eager trainer at batch 8,192 in bf16 on a 2-vCPU EPYC
-    # (BENCHMARKS). Off by default: it compiles for ~10-20 s at start and again for each
-    # new batch shape (the last partial batch), which a short run never earns back.
+    # CUDA): 1.24-1.32x the eager trainer at batch 8,192 in bf16 on a 2-vCPU EPYC in one
+    # pair, not separable from the noise in two later ones (BENCHMARKS). Off by default: it
+    # compiles for ~10-20 s at start and again for each new batch shape (the last partial
+    # batch), which a short run never earns back.
     compile: bool = False
     seed: int = 1235
     threads: int = 0                # torch intra-op threads; 0 = torch default
