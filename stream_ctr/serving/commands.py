@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stream_ctr.config import Config, ConfigError, check_line_range
+from stream_ctr.config import Config, ConfigError, check_line_range, parse_bytes
 from stream_ctr.connectors.files import SourceError, count_records, detect_format
 from stream_ctr.serving.bundle import read_bundle
 from stream_ctr.serving.export import checkpoint_record, export_bundle
@@ -20,6 +20,7 @@ from stream_ctr.serving.follower import Follower, initial_bundle
 from stream_ctr.serving.kafka_publish import KafkaMirror, is_kafka_target
 from stream_ctr.serving.scorer import PRECISIONS, Scorer, score_file
 from stream_ctr.serving.server import HTTP_STACKS, Server
+from stream_ctr.train.heap import MIN_KEEP_BYTES, keep_heap
 
 EXPORT_EPILOG = """examples:
   stream-ctr export --out bundles/ctr-v1                 # the newest checkpoint of runs/latest
@@ -69,6 +70,9 @@ def add_serving_parsers(sub: argparse._SubParsersAction, add_common) -> None:
     q.add_argument("--precision", choices=PRECISIONS, default=None, help="the dense model's matmuls "
                    "(default: the bundle's, the precision its run trained and tested in)")
     q.add_argument("--chunk-records", type=int, default=65536, help="records decoded and scored at a time")
+    q.add_argument("--heap-keep-bytes", default="1GiB", metavar="BYTES",
+                   help="freed heap kept for the next chunk instead of being faulted in again, as "
+                   "train.heap_keep_bytes (0: glibc's defaults; default 1GiB)")
     add_common(q)
     q.set_defaults(func=cmd_predict)
 
@@ -238,6 +242,16 @@ def cmd_predict(args: argparse.Namespace) -> tuple[dict, str]:
     from stream_ctr.train.evaluation import accuracy
     if args.chunk_records < 1:
         raise ConfigError(f"--chunk-records {args.chunk_records}: records scored at a time must be >= 1")
+    try:
+        keep_bytes = parse_bytes(args.heap_keep_bytes)
+    except ValueError as e:
+        raise ConfigError(f"--heap-keep-bytes: {e}") from None
+    if keep_bytes < 0 or 0 < keep_bytes < MIN_KEEP_BYTES:
+        raise ConfigError(f"--heap-keep-bytes {args.heap_keep_bytes}: 0 (glibc's defaults) or at least "
+                          "64MiB (a smaller setting maps more memory afresh, not less)")
+    # Each chunk allocates and frees the same large blocks: 1.47M -> 0.25M page faults and
+    # 6.6 -> 5.7 s for 500K Criteo rows on the 2-vCPU EPYC.
+    keep_heap(keep_bytes)
     bundle = read_bundle(args.bundle)
     scorer = Scorer(bundle, args.device, args.precision)
     run = bundle.manifest["run"]

@@ -12,6 +12,10 @@ CLI = [sys.executable, "-m", "stream_ctr"]
     (["serve", "{tmp}/no-bundle", "--port", "70000"], "--port 70000: a TCP port is 0-65535"),
     (["predict", "{tmp}/no-bundle", "--chunk-records", "0", "--out", "{tmp}/p.npy"],
      "--chunk-records 0: records scored at a time must be >= 1"),
+    (["predict", "{tmp}/no-bundle", "--heap-keep-bytes", "1MiB", "--out", "{tmp}/p.npy"],
+     "--heap-keep-bytes 1MiB: 0 (glibc's defaults) or at least 64MiB"),
+    (["predict", "{tmp}/no-bundle", "--heap-keep-bytes", "lots", "--out", "{tmp}/p.npy"],
+     "--heap-keep-bytes: not a byte size: 'lots'"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path, args, needle):
     out = subprocess.run(CLI + [a.format(tmp=tmp_path) for a in args], capture_output=True, text=True,
