@@ -378,6 +378,17 @@ MODELS = ("deepfm", "wdl", "dcn", "dcnv2")
 TIMESERIES_MIN_BYTES = 64 << 10
 
 
+# train.heap_keep_bytes and predict --heap-keep-bytes: setting a threshold turns off glibc's own,
+# which rises to 32 MiB by itself, so a small setting would map more memory afresh (train/heap.py).
+HEAP_KEEP_MIN_BYTES = 64 << 20
+HEAP_KEEP_RULE = ("0 (glibc's defaults) or at least 64MiB (a smaller setting maps more memory afresh "
+                  "than glibc's default does)")
+
+
+def heap_keep_bytes_ok(value: int) -> bool:
+    return value == 0 or value >= HEAP_KEEP_MIN_BYTES
+
+
 def check_line_range(start: int | None, stop: int | None) -> None:
     """`--start` / `--stop` of eval and predict (data-line offsets): 0 <= start <= stop."""
     if (start or 0) < 0 or (stop is not None and stop < (start or 0)):
@@ -421,9 +432,8 @@ def validate(cfg: Config) -> Config:
         (t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
          f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}"),
         (t.threads >= 0, f"train.threads must be >= 0, got {t.threads}"),
-        (t.heap_keep_bytes == 0 or t.heap_keep_bytes >= 64 << 20,
-         f"train.heap_keep_bytes must be 0 (glibc's defaults) or at least 64MiB (a smaller "
-         f"setting maps more memory afresh than glibc's default does), got {t.heap_keep_bytes}"),
+        (heap_keep_bytes_ok(t.heap_keep_bytes),
+         f"train.heap_keep_bytes must be {HEAP_KEEP_RULE}, got {t.heap_keep_bytes}"),
         (t.checkpoint_every_batches >= 0, "train.checkpoint_every_batches must be >= 0"),
         (t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}"),
         (t.eval_window_records >= 1, "train.eval_window_records must be >= 1"),

@@ -20,15 +20,14 @@ import ctypes
 import logging
 import sys
 
+from stream_ctr.config import HEAP_KEEP_MIN_BYTES
+
 log = logging.getLogger("stream_ctr.train")
 
 M_TRIM_THRESHOLD = -1           # mallopt parameters (glibc malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 256 << 20
-# glibc's own threshold rises to 32 MiB by itself; setting one turns that off, so a
-# smaller setting would map more blocks afresh than the default does (config.py refuses
-# keep_bytes below this). Older glibc refuses an mmap threshold above 32 MiB: then 32 MiB.
-MIN_KEEP_BYTES = 64 << 20
+# Older glibc refuses an mmap threshold above 32 MiB: then 32 MiB.
 _GLIBC_MMAP_MAX_BYTES = 32 << 20
 _C_INT_MAX = (1 << 31) - 1
 
@@ -44,7 +43,7 @@ def keep_heap(keep_bytes: int) -> bool:
     except (OSError, AttributeError):       # not glibc (e.g. musl has no mallopt)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    keep = max(keep_bytes, MIN_KEEP_BYTES)
+    keep = max(keep_bytes, HEAP_KEEP_MIN_BYTES)      # below it: more faults than the default
     mmap_ok = (mallopt(M_MMAP_THRESHOLD, min(MMAP_THRESHOLD_BYTES, keep)) == 1
                or mallopt(M_MMAP_THRESHOLD, _GLIBC_MMAP_MAX_BYTES) == 1)
     trim_ok = mallopt(M_TRIM_THRESHOLD, min(keep, _C_INT_MAX)) == 1

@@ -94,8 +94,7 @@ def configure_torch(cfg: Config) -> None:
         # (the bit-identical resume tests would see otherwise), and the fills were ~226 a step
         # at batch 8,192, 2 of them [B, 403] (torch.profiler). The guard stays on CUDA, whose
         # Triton outputs those tests never run.
-        if resolve_device(cfg.train.device).type == "cpu":
-            torch.utils.deterministic.fill_uninitialized_memory = False
+        torch.utils.deterministic.fill_uninitialized_memory = resolve_device(cfg.train.device).type != "cpu"
 
 
 def revoke_hook(run: "Run"):

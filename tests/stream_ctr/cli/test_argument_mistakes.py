@@ -13,7 +13,7 @@ CLI = [sys.executable, "-m", "stream_ctr"]
     (["predict", "{tmp}/no-bundle", "--chunk-records", "0", "--out", "{tmp}/p.npy"],
      "--chunk-records 0: records scored at a time must be >= 1"),
     (["predict", "{tmp}/no-bundle", "--heap-keep-bytes", "1MiB", "--out", "{tmp}/p.npy"],
-     "--heap-keep-bytes 1MiB: 0 (glibc's defaults) or at least 64MiB"),
+     "--heap-keep-bytes 1MiB: must be 0 (glibc's defaults) or at least 64MiB"),
     (["predict", "{tmp}/no-bundle", "--heap-keep-bytes", "lots", "--out", "{tmp}/p.npy"],
      "--heap-keep-bytes: not a byte size: 'lots'"),
 ])
