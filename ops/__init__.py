@@ -1,7 +1,8 @@
 """Kernels (installed as `stream_ctr.ops`): each Triton kernel beside its torch reference.
 
     dispatch          which path an op takes (Triton on CUDA, reference elsewhere)
-    cowclip_adam      fused CowClip + sparse Adam over the rows of a batch
+    cowclip_adam      fused CowClip + sparse Adam over the rows of a batch (Triton, a compiled
+                      CPU loop, the torch reference)
     embedding_gather  gather of unique rows into batch slots, and its backward
     jagged_pool       sum/mean pooling of bags of unique rows (multi-hot fields), and its backward
     cpu_rows          a compiled CPU loop for the references' row adds (bit-identical to index_add_)

@@ -5,7 +5,8 @@ and `<op>_reference`. The public dispatcher of an op asks `use_triton` which
 one to run:
 
 - CUDA tensors run the Triton kernel (the reference if triton is missing);
-- CPU tensors run the reference, unless `STREAM_CTR_FORCE_TRITON=1`, which
+- CPU tensors run the op's compiled CPU loop where it has one (`use_cpu_loop`;
+  numba, e.g. `cowclip_adam_cpu`), else the reference; `STREAM_CTR_FORCE_TRITON=1`
   runs the Triton kernel through Triton's CPU interpreter. The interpreter
   must be switched on with `TRITON_INTERPRET=1` before triton is first
   imported in the process (Triton's own `tl.sum` & co. are jit functions
@@ -39,6 +40,7 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 PATH_TRITON = "triton"
 PATH_TRITON_INTERPRETER = "triton-interpreter"
 PATH_REFERENCE = "torch-reference"
+PATH_CPU_LOOPS = "cpu-loops"        # CPU: the ops' compiled loops where they have one
 
 
 @cache
@@ -107,8 +109,18 @@ def use_triton(t: torch.Tensor) -> bool:
     return True
 
 
+def use_cpu_loop(t: torch.Tensor) -> bool:
+    """Whether an op with a compiled CPU loop should run it on `t`: a CPU tensor, neither
+    Triton nor the reference forced."""
+    return t.device.type == "cpu" and not reference_forced() and not use_triton(t)
+
+
 def kernel_path(t: torch.Tensor) -> str:
-    """Name of the path an op on `t` takes: "triton", "triton-interpreter" or "torch-reference"."""
+    """Name of the path ops on `t` take: "triton", "triton-interpreter", "cpu-loops" (the
+    compiled CPU loops of the ops that have one, the references for the others) or
+    "torch-reference"."""
+    if use_cpu_loop(t):
+        return PATH_CPU_LOOPS
     if not use_triton(t):
         return PATH_REFERENCE
     return PATH_TRITON_INTERPRETER if triton_interpreting() else PATH_TRITON

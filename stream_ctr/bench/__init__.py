@@ -5,7 +5,7 @@
     store     the tiered embedding store: hit rates, lookups/s, LMDB rows/s, RSS
     merge     k-step merging: bytes and ms per step, AUC per k, 2 and 4 ranks
     kernels   each op in ops/: ms per call, GB/s vs a device copy
-    step      whole DeepFM steps, torch reference vs Triton
+    step      whole DeepFM steps, torch reference vs Triton (CUDA) or CPU loops
 
 May import distributed, train, store, telemetry, models, config, connectors
 and ops; nothing in the core imports a bench. Each bench returns its rows (and

@@ -1,4 +1,4 @@
-"""`stream-ctr bench step`: whole DeepFM training steps per second, torch reference vs Triton.
+"""`stream-ctr bench step`: whole DeepFM steps per second, torch reference vs Triton/CPU loops.
 
 A step is `Trainer.train_step`, as `stream-ctr train` runs it: working set
 (unique keys and counts), store lookup, gather, forward, mean BCE, backward,
@@ -16,9 +16,9 @@ cycle through them (no `upcoming` batch: the train loop passes one only to a
 tiered store). The device is synchronized before and after the timed steps;
 samples/s = batch x steps / seconds.
 
-On CUDA each batch size runs twice, in a fresh trainer each time: with the
-torch references forced (`stream_ctr.ops.dispatch.force_reference`) and with the
-default dispatch (Triton). On the CPU only the reference runs.
+Each batch size runs twice, in a fresh trainer each time: with the torch
+references forced (`stream_ctr.ops.dispatch.force_reference`) and with the
+default dispatch: Triton on CUDA, the ops' compiled CPU loops on the CPU.
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ CPU_STEPS = 5
 
 def add_bench_step_parser(bsub: argparse._SubParsersAction, add_common) -> None:
     b = bsub.add_parser("step", help="DeepFM training steps: samples/s and ms/step per batch size, "
-                        "torch reference vs Triton", description=__doc__.split("\n\n")[0])
+                        "torch reference vs Triton (CUDA) or the compiled CPU loops",
+                        description=__doc__.split("\n\n")[0])
     b.add_argument("--batch-sizes", help=f"comma-separated (default {CUDA_BATCH_SIZES} on CUDA, "
                    f"{CPU_BATCH_SIZES} on the CPU, where a 131072 step takes seconds)")
     b.add_argument("--steps", type=int, help=f"timed steps per batch size and path (default "
@@ -113,7 +114,10 @@ def bench_step(batch_sizes: list[int], steps: int, device: torch.device, model: 
     from stream_ctr.config import Config
     from stream_ctr.train.loop import configure_torch
     skip_triton = triton_unavailable_reason(device)
-    paths = [dispatch.PATH_REFERENCE] + ([] if skip_triton else [dispatch.PATH_TRITON])
+    if device.type == "cpu":
+        paths = [dispatch.PATH_REFERENCE, dispatch.PATH_CPU_LOOPS]
+    else:
+        paths = [dispatch.PATH_REFERENCE] + ([] if skip_triton else [dispatch.PATH_TRITON])
     batches, n_fields, n_dense = synthetic_batches(batch_sizes)
     results = []
     for bs, precision in ((bs, p) for bs in batch_sizes for p in precisions):

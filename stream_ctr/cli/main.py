@@ -38,7 +38,7 @@ EPILOG = """examples:
   torchrun --nproc-per-node=4 -m stream_ctr train --merge-every 16   # 4 replicas, sharded rows
   stream-ctr bench merge                            # k-step merge: bytes, ms/step, AUC per k
   stream-ctr bench kernels --dims 10,16,64,128      # ops/ kernels: GB/s vs a device copy
-  stream-ctr bench step                             # DeepFM steps/s, torch reference vs Triton
+  stream-ctr bench step                             # DeepFM steps/s, torch reference vs Triton/CPU loops
   stream-ctr bench serve bundle                     # predict server: p50/p99 at 1 rec/request, records/s at 256
 
 options can also come from a TOML file (--config, or $STREAM_CTR_CONFIG) and from

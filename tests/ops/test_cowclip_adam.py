@@ -1,11 +1,13 @@
-"""CowClip + sparse Adam: Triton vs reference, and the spec checks of cowclip.md section 6."""
+"""CowClip + sparse Adam: Triton and the CPU loop vs reference, and the spec checks of
+cowclip.md section 6."""
 
 import math
 
 import pytest
 import torch
 
-from stream_ctr.ops.cowclip_adam import clip_rows_reference, cowclip_adam_reference, cowclip_adam_triton
+from stream_ctr.ops.cowclip_adam import (
+    clip_rows_reference, cowclip_adam_cpu, cowclip_adam_reference, cowclip_adam_triton)
 from tests.ops.conftest import needs_cuda, needs_interpreter
 
 B1, B2 = 0.9, 0.999
@@ -47,6 +49,7 @@ def clipped_grad(m_after):
 
 @pytest.fixture(params=[
     pytest.param((cowclip_adam_reference, "cpu"), id="reference"),
+    pytest.param((cowclip_adam_cpu, "cpu"), id="cpu-loop"),
     pytest.param((cowclip_adam_triton, "cpu"), id="triton-interpreter", marks=needs_interpreter),
     pytest.param((cowclip_adam_triton, "cuda"), id="triton-cuda", marks=needs_cuda),
 ])
@@ -60,19 +63,33 @@ def impl_device(request):
 @pytest.mark.parametrize("d", [10, 11, 16, 17, 64])
 @pytest.mark.parametrize("linear_cols", [0, 1])
 def test_triton_matches_reference(triton_device, u, d, linear_cols):
+    _matches_reference(cowclip_adam_triton, triton_device, u, d, linear_cols)
+
+
+@pytest.mark.parametrize("u", [0, 1, 7, 300])
+@pytest.mark.parametrize("d", [10, 11, 16, 17, 64])
+@pytest.mark.parametrize("linear_cols", [0, 1])
+def test_cpu_loop_matches_reference(u, d, linear_cols):
+    _matches_reference(cowclip_adam_cpu, "cpu", u, d, linear_cols)
+
+
+def _matches_reference(impl, device, u, d, linear_cols):
     n = u + 13
-    table = make_table(n, d, seed=u * 100 + d, device=triton_device)
-    batch = make_batch(n, u, d, seed=u * 100 + d, device=triton_device)
+    table = make_table(n, d, seed=u * 100 + d, device=device)
+    batch = make_batch(n, u, d, seed=u * 100 + d, device=device)
     kw = dict(step=7, l2=1e-3, clip_zeta=1e-3, clip_dims=d - linear_cols)
     *ref, ref_stats = run(cowclip_adam_reference, table, batch, **kw)
-    *out, out_stats = run(cowclip_adam_triton, table, batch, **kw)
+    *out, out_stats = run(impl, table, batch, **kw)
     for name, r, o, atol in zip("wmv", ref, out, (1e-6, 1e-8, 1e-11)):
         torch.testing.assert_close(o, r, rtol=1e-5, atol=atol, msg=f"{name} differs")
     assert out_stats.rows_clipped.item() == ref_stats.rows_clipped.item()
     assert out_stats.rows_at_floor.item() == ref_stats.rows_at_floor.item()
     if u == 300:  # the data exercises both regimes
         assert 0 < ref_stats.rows_clipped.item() < u and ref_stats.rows_at_floor.item() > 0
-    untouched = torch.ones(n, dtype=torch.bool, device=triton_device)
+    if u:
+        assert torch.equal(out_stats.ratio_le, ref_stats.ratio_le)
+        torch.testing.assert_close(out_stats.ratio_sum, ref_stats.ratio_sum, rtol=1e-5, atol=0)
+    untouched = torch.ones(n, dtype=torch.bool, device=device)
     untouched[batch[0]] = False
     for before, after in zip(table, out):
         assert torch.equal(after[untouched], before[untouched])
@@ -235,13 +252,23 @@ def test_empty_rows(impl_device):
 @pytest.mark.parametrize("cowclip", [True, False])
 @pytest.mark.parametrize("count_lr_s", [1.0, 4.0, 32.0])
 def test_triton_matches_reference_with_scale_and_count_lr(triton_device, cowclip, count_lr_s):
+    _matches_reference_with_scale_and_count_lr(cowclip_adam_triton, triton_device, cowclip, count_lr_s)
+
+
+@pytest.mark.parametrize("cowclip", [True, False])
+@pytest.mark.parametrize("count_lr_s", [1.0, 4.0, 32.0])
+def test_cpu_loop_matches_reference_with_scale_and_count_lr(cowclip, count_lr_s):
+    _matches_reference_with_scale_and_count_lr(cowclip_adam_cpu, "cpu", cowclip, count_lr_s)
+
+
+def _matches_reference_with_scale_and_count_lr(impl, device, cowclip, count_lr_s):
     n, u, d = 313, 300, 11
-    table = make_table(n, d, seed=5, device=triton_device)
-    batch = make_batch(n, u, d, seed=5, device=triton_device)
+    table = make_table(n, d, seed=5, device=device)
+    batch = make_batch(n, u, d, seed=5, device=device)
     kw = dict(step=3, l2=1e-4, clip_dims=d - 1, cowclip=cowclip, clip_scale=1 / 64,
               count_lr_s=count_lr_s)
     *ref, ref_stats = run(cowclip_adam_reference, table, batch, **kw)
-    *out, out_stats = run(cowclip_adam_triton, table, batch, **kw)
+    *out, out_stats = run(impl, table, batch, **kw)
     for name, r, o, atol in zip("wmv", ref, out, (1e-6, 1e-8, 1e-11)):
         torch.testing.assert_close(o, r, rtol=1e-5, atol=atol, msg=f"{name} differs")
     assert out_stats.rows_clipped.item() == ref_stats.rows_clipped.item()

@@ -8,15 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stream_ctr.ops.cowclip_adam import (
-    CLIP_RATIO_EDGES, ClipStats, clip_rows_reference, cowclip_adam_, cowclip_adam_reference,
-    cowclip_adam_triton)
-from stream_ctr.ops.dispatch import FORCE_TRITON_ENV
+    CLIP_RATIO_EDGES, ClipStats, clip_rows_reference, cowclip_adam_, cowclip_adam_cpu,
+    cowclip_adam_reference, cowclip_adam_triton)
+from stream_ctr.ops.dispatch import FORCE_TRITON_ENV, force_reference
 from tests.ops.conftest import needs_cuda, needs_interpreter
 from tests.ops.test_cowclip_adam import HPARAMS, make_batch, make_table, run
 
 
 @pytest.mark.parametrize("impl", [
     pytest.param(cowclip_adam_reference, id="reference"),
+    pytest.param(cowclip_adam_cpu, id="cpu-loop"),
     pytest.param(cowclip_adam_triton, id="triton-interpreter", marks=needs_interpreter),
 ])
 @pytest.mark.parametrize("cowclip", [False, True])
@@ -44,15 +45,34 @@ def test_matches_torch_adam_when_nothing_is_clipped(impl, cowclip):
     torch.testing.assert_close(v, state["exp_avg_sq"], rtol=1e-5, atol=1e-12)
 
 
-def test_dispatcher_uses_reference_on_cpu(monkeypatch):
+def test_dispatcher_uses_the_cpu_loop_on_cpu_and_the_reference_when_forced(monkeypatch):
     table = make_table(30, 10, seed=1)
     batch = make_batch(30, 12, 10, seed=1)
     calls = []
     monkeypatch.setattr("stream_ctr.ops.cowclip_adam.cowclip_adam_triton",
                         lambda *a, **k: calls.append("triton"))
     *out, _ = run(cowclip_adam_, table, batch, clip_dims=10)
+    *loop, _ = run(cowclip_adam_cpu, table, batch, clip_dims=10)
+    assert calls == [] and all(torch.equal(x, y) for x, y in zip(out, loop))
+    with force_reference():
+        *forced, _ = run(cowclip_adam_, table, batch, clip_dims=10)
     *ref, _ = run(cowclip_adam_reference, table, batch, clip_dims=10)
-    assert calls == [] and all(torch.equal(x, y) for x, y in zip(out, ref))
+    assert all(torch.equal(x, y) for x, y in zip(forced, ref))
+    # A table the loop does not take (float64 gradient is refused by both; an int32 row
+    # index is not the loop's) goes to the reference's argument check.
+    w, m, v = (t.clone() for t in table)
+    with pytest.raises(ValueError, match="rows"):
+        cowclip_adam_(w, m, v, batch[0].int(), batch[1], batch[2], clip_dims=10, **HPARAMS)
+
+
+def test_cpu_loop_refuses_rows_outside_the_table_before_writing():
+    table = make_table(30, 10, seed=1)
+    rows, grad, count = make_batch(30, 12, 10, seed=1)
+    rows[-1] = 30
+    w, m, v = (t.clone() for t in table)
+    with pytest.raises(IndexError, match="outside the table"):
+        cowclip_adam_cpu(w, m, v, rows, grad, count, clip_dims=10, **HPARAMS)
+    assert all(torch.equal(x, y) for x, y in zip((w, m, v), table))
 
 
 @needs_interpreter
@@ -77,6 +97,7 @@ def test_dispatcher_uses_triton_on_cuda(monkeypatch):
 
 @pytest.mark.parametrize("impl", [
     pytest.param(cowclip_adam_reference, id="reference"),
+    pytest.param(cowclip_adam_cpu, id="cpu-loop"),
     pytest.param(cowclip_adam_triton, id="triton-interpreter", marks=needs_interpreter),
 ])
 def test_stats_are_device_scalars_and_count_dtype_is_free(impl):
@@ -138,6 +159,7 @@ def test_clip_property(w_norm, g_norm, count, r, zeta, d, seed):
 
 @pytest.mark.parametrize("impl", [
     pytest.param(cowclip_adam_reference, id="reference"),
+    pytest.param(cowclip_adam_cpu, id="cpu-loop"),
     pytest.param(cowclip_adam_triton, id="triton-interpreter", marks=needs_interpreter),
 ])
 @pytest.mark.parametrize("clip_scale", [1.0, 1 / 64])
@@ -168,3 +190,26 @@ def test_ratio_histogram_is_absent_without_cowclip():
     *_, stats = run(cowclip_adam_reference, table, make_batch(30, 12, 10, seed=1), clip_dims=10,
                     cowclip=False)
     assert stats.ratio_le is None and stats.ratio_sum is None
+
+
+def test_cpu_loop_in_parts_matches_one_part(monkeypatch):
+    """The rows split between threads: every row gets what one pass gives it, and the
+    counts and ratio sum add up to one pass's."""
+    import stream_ctr.ops.cowclip_adam as module
+    table = make_table(3000, 11, seed=3)
+    batch = make_batch(3000, 2500, 11, seed=3)
+    kw = dict(clip_zeta=1e-3, clip_dims=10, clip_scale=1 / 8, count_lr_s=4.0)
+    monkeypatch.setattr(module, "_CPU_ROWS_PER_PART", 10**9)
+    *one, one_stats = run(cowclip_adam_cpu, table, batch, **kw)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(module, "_CPU_ROWS_PER_PART", 100)
+        *parts, parts_stats = run(cowclip_adam_cpu, table, batch, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(x, y) for x, y in zip(one, parts))
+    assert 0 < one_stats.rows_clipped.item() < 2500
+    for name in ("rows_clipped", "rows_at_floor", "ratio_le"):
+        assert torch.equal(getattr(parts_stats, name), getattr(one_stats, name)), name
+    torch.testing.assert_close(parts_stats.ratio_sum, one_stats.ratio_sum, rtol=1e-6, atol=0)

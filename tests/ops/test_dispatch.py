@@ -9,23 +9,26 @@ import pytest
 import torch
 
 from stream_ctr.ops.dispatch import (
-    FORCE_TRITON_ENV, INTERPRET_ENV, PATH_REFERENCE, PATH_TRITON, PATH_TRITON_INTERPRETER,
-    kernel_path, use_triton)
+    FORCE_TRITON_ENV, INTERPRET_ENV, PATH_CPU_LOOPS, PATH_REFERENCE, PATH_TRITON,
+    PATH_TRITON_INTERPRETER, force_reference, kernel_path, use_cpu_loop, use_triton)
 from tests.ops.conftest import needs_cuda, needs_interpreter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_cpu_uses_reference():
+def test_cpu_uses_its_loops_or_the_reference_when_forced():
     t = torch.zeros(2)
-    assert not use_triton(t)
-    assert kernel_path(t) == PATH_REFERENCE
+    assert not use_triton(t) and use_cpu_loop(t)
+    assert kernel_path(t) == PATH_CPU_LOOPS
+    with force_reference():
+        assert not use_cpu_loop(t)
+        assert kernel_path(t) == PATH_REFERENCE
 
 
 @needs_interpreter
 def test_forced_cpu_uses_interpreter(monkeypatch):
     monkeypatch.setenv(FORCE_TRITON_ENV, "1")
-    assert use_triton(torch.zeros(2))
+    assert use_triton(torch.zeros(2)) and not use_cpu_loop(torch.zeros(2))
     assert kernel_path(torch.zeros(2)) == PATH_TRITON_INTERPRETER
 
 

@@ -100,7 +100,7 @@ def test_bench_step_json(capsys, torch_global_state):
     sizes, steps = [32, 64], 2
     out = run_json(capsys, "bench", "step", "--batch-sizes", "32,64", "--steps", str(steps))
     assert out["bench"] == "step"
-    paths = [dispatch.PATH_REFERENCE, dispatch.PATH_TRITON] if ON_CUDA else [dispatch.PATH_REFERENCE]
+    paths = [dispatch.PATH_REFERENCE, dispatch.PATH_TRITON if ON_CUDA else dispatch.PATH_CPU_LOOPS]
     assert [(r["batch_size"], r["precision"], r["path"]) for r in out["rows"]] == \
         [(b, prec, p) for b in sizes for prec in ("fp32", "bf16") for p in paths]
     for r in out["rows"]:
