@@ -6,7 +6,8 @@
     embedding_gather  gather of unique rows into batch slots, and its backward
     jagged_pool       sum/mean pooling of bags of unique rows (multi-hot fields), and its backward
     cpu_rows          a compiled CPU loop for the references' row adds (bit-identical to index_add_)
+    unique            a batch's unique keys, inverse and counts (torch.unique's, by a hash map on the CPU)
 
 Imports torch (and triton lazily, on the first Triton call; numba on the
-first CPU row add); never the rest of stream_ctr.
+first call of a compiled CPU loop); never the rest of stream_ctr.
 """

@@ -2,7 +2,7 @@
 
 The path of one batch is the trainer's `predict`, step for step, so the numbers
 are the same bit for bit (tests/stream_ctr/serving/test_export_predict.py):
-unique keys (`torch.unique`), their rows (binary search in the bundle's sorted
+unique keys (`ops.unique.unique_keys`), their rows (binary search in the bundle's sorted
 keys; an absent key gets its initial row from `init_rows`, as `store.peek`
 does), the gather, the model's forward in eval mode under the bundle's
 precision (bf16 autocast or none), sigmoid. No Python loop over records.
@@ -23,6 +23,7 @@ from stream_ctr.connectors.formats import RecordFormat
 from stream_ctr.connectors.schema import SchemaError, parse_schema
 from stream_ctr.models.networks import build_model
 from stream_ctr.models.field_inputs import batch_keys, field_inputs, field_rows
+from stream_ctr.ops.unique import unique_keys
 from stream_ctr.serving.bundle import Bundle, BundleError, model_config_fields
 from stream_ctr.serving.table import RowTable
 from stream_ctr.store.embedding import init_rows
@@ -102,7 +103,7 @@ class Scorer:
                               f"({self.bundle.manifest['record_format']['name']} records)")
         dense = torch.from_numpy(batch.dense).to(self.device)
         keys = torch.from_numpy(batch_keys(batch, self.field_rows)).to(self.device)  # fixed, then multi-hot
-        uniq, inverse = torch.unique(keys, return_inverse=True)
+        uniq, inverse, _ = unique_keys(keys)
         emb, lin = field_inputs(self.rows(uniq), inverse, batch, self.dim, self.field_rows)
         with self._autocast():
             logits = self.model(emb, lin, dense)

@@ -27,6 +27,7 @@ from stream_ctr.store.embedding import EmbeddingStore
 from stream_ctr.store import build_store
 from stream_ctr.models.networks import build_model
 from stream_ctr.models.field_inputs import FieldRows, batch_keys, field_inputs, model_fields
+from stream_ctr.ops.unique import unique_keys
 from stream_ctr.train.precision import autocast, resolve_precision
 
 
@@ -222,7 +223,7 @@ class Trainer:
         if self._next is not None and self._next[0] is batch:
             return self._next[1]
         keys = torch.from_numpy(batch_keys(batch, self.field_rows)).to(self.device, non_blocking=True)
-        return torch.unique(keys, return_inverse=True, return_counts=True)
+        return unique_keys(keys)
 
     def _clock(self) -> float:
         """A phase boundary. With train.sync_phases on CUDA the queued kernels finish
@@ -292,7 +293,7 @@ class Trainer:
         """Scores without changing any state (absent keys score with their initial rows)."""
         dense, _ = self._inputs(batch)
         keys = torch.from_numpy(batch_keys(batch, self.field_rows)).to(self.device)
-        uniq, inverse = torch.unique(keys, return_inverse=True)
+        uniq, inverse, _ = unique_keys(keys)
         rows = self.store.peek(uniq)
         model = self.eval_model
         was_training = model.training
