@@ -45,26 +45,24 @@ def unique_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 @cache
 def _kernels():
-    # Compiled on the first call (about a second; cached in __pycache__ after that).
+    # Compiled on the first call (about a second; cached in __pycache__ after that: no
+    # helper jit functions, a closure over one would make numba compile again each time).
     import numpy as np
     from numba import njit
-
-    @njit(nogil=True, cache=True)
-    def slot_of(k, mask):
-        h = k * np.int64(-7046029254386353131)        # wraps: a multiply-xorshift mix
-        return (h ^ (h >> 29)) & mask
 
     @njit(nogil=True, cache=True)
     def find_unique(keys, bits, inverse, uniq, counts):
         """Unique keys in order of first occurrence into `uniq`, their counts, each key's
         index into them; returns how many. Linear probing in a table of 2**bits (key, id)
         pairs, one cache line per probe, doubled at half full."""
-        table = np.full((1 << bits, 2), -1, np.int64)
+        table = np.empty((1 << bits, 2), np.int64)
+        table[:, 1] = -1
         n_unique = 0
         for i in range(keys.shape[0]):
             k = keys[i]
             mask = (1 << bits) - 1
-            p = slot_of(k, mask)
+            h = k * np.int64(-7046029254386353131)          # wraps: a multiply-xorshift mix
+            p = (h ^ (h >> 29)) & mask
             while True:
                 j = table[p, 1]
                 if j < 0:                                   # a free slot: k is new
@@ -77,9 +75,11 @@ def _kernels():
                     if 2 * n_unique > (1 << bits):          # grow: put every key in again
                         bits += 1
                         mask = (1 << bits) - 1
-                        table = np.full((1 << bits, 2), -1, np.int64)
+                        table = np.empty((1 << bits, 2), np.int64)
+                        table[:, 1] = -1
                         for q in range(n_unique):
-                            h = slot_of(uniq[q], mask)
+                            h = uniq[q] * np.int64(-7046029254386353131)
+                            h = (h ^ (h >> 29)) & mask
                             while table[h, 1] >= 0:
                                 h = (h + 1) & mask
                             table[h, 0] = uniq[q]
