@@ -49,6 +49,7 @@ from functools import cache
 
 import torch
 
+from .cpu_parts import part_bounds, run_parts
 from .dispatch import check_triton_device, use_cpu_loop, use_triton
 
 # Bound by _build_kernel() on the first Triton call, not at import: Triton
@@ -280,8 +281,7 @@ def cowclip_adam_cpu(
     clip_scale: float = 1.0, count_lr_s: float = 1.0,
 ) -> ClipStats:
     """Compiled-loop `cowclip_adam_` for CPU tensors: one pass, in float32, the rows
-    split between torch's intra-op thread count of threads (rows are unique, so the
-    parts write disjoint rows).
+    split between threads (`cpu_parts`; rows are unique, so the parts write disjoint rows).
 
     Same arguments, in-place effect and result as `cowclip_adam_`, up to float32
     rounding (the norms are summed in another order than torch's). Rows out of the
@@ -298,45 +298,28 @@ def cowclip_adam_cpu(
     step_size, bc2_sqrt = _bias_corrections(lr, beta1, beta2, step)
     # Each part of the rows gets a row of `counts` (clipped, at floor, the ratio buckets)
     # and a ratio sum; they are added up here, in a fixed order.
-    parts = max(1, min(torch.get_num_threads(), u // _CPU_ROWS_PER_PART))
-    bounds = [u * k // parts for k in range(parts + 1)]
-    counts = torch.zeros((parts, 2 + len(CLIP_RATIO_LOG2_EDGES)), dtype=torch.int64)
-    ratio_sums = torch.zeros(parts, dtype=torch.float64)
+    bounds = part_bounds(u, _CPU_ROWS_PER_PART)
+    counts = torch.zeros((len(bounds) - 1, 2 + len(CLIP_RATIO_LOG2_EDGES)), dtype=torch.int64)
+    ratio_sums = torch.zeros(len(bounds) - 1, dtype=torch.float64)
     args = (weight.numpy(), exp_avg.numpy(), exp_avg_sq.numpy(), rows.numpy(), grad.numpy(),
             count.numpy(), clip_dims if cowclip else d, cowclip, 2.0 * l2, clip_scale * clip_r,
             clip_r * math.sqrt(clip_dims) * clip_zeta, beta1, beta2, step_size, bc2_sqrt, eps,
             float(count_lr_s), math.log1p(-1.0 / count_lr_s) if count_lr_s > 1.0 else 0.0,
             float(CLIP_RATIO_LOG2_EDGES[0]), float(CLIP_RATIO_LOG2_EDGES[1] - CLIP_RATIO_LOG2_EDGES[0]))
     kernel = _cpu_kernel()
-
-    def run_part(k: int) -> None:
-        kernel(*args, bounds[k], bounds[k + 1], counts[k].numpy(), ratio_sums[k:k + 1].numpy())
-
-    if parts == 1:
-        run_part(0)
-    else:
-        list(_cpu_pool().map(run_part, range(parts)))
+    run_parts(lambda k, lo, hi: kernel(*args, lo, hi, counts[k].numpy(), ratio_sums[k:k + 1].numpy()),
+              bounds)
     totals = counts.sum(0)
     if not cowclip:
         return ClipStats(totals[0], totals[1], u)
     return ClipStats(totals[0], totals[1], u, totals[2:], ratio_sums.sum().to(torch.float32))
 
 
-# Below this many rows a part is not worth a thread hand-off (~20 us).
 _CPU_ROWS_PER_PART = 4096
 # Rows gathered before they are computed: loads of independent rows overlap; one row at
 # a time, each row's three cache misses were waited for in turn (43K rows of a 1M-row
 # table: 15 ms a row at a time, 9.6 ms in blocks of 64, one thread, 2-vCPU EPYC).
 _CPU_BLOCK_ROWS = 64
-
-
-@cache
-def _cpu_pool():
-    # The compiled loop releases the GIL, so plain threads run the parts in parallel.
-    # torch's own workers are idle meanwhile (the update waits for it).
-    from concurrent.futures import ThreadPoolExecutor
-    return ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()),
-                              thread_name_prefix="cowclip-cpu")
 
 
 @cache

@@ -38,6 +38,8 @@ from torch import Tensor, nn
 
 from stream_ctr.config import ModelConfig
 from stream_ctr.models.layers import (glorot_normal_, _dense, fm_term, MLP, LinearLogit, CrossNet, CrossNetMix)
+from stream_ctr.ops.deepfm_input import deepfm_input
+from stream_ctr.ops.dispatch import use_cpu_loop
 
 __all__ = ["CTRModel", "DeepFM", "WideDeep", "DCN", "DCNv2", "build_model",
            "MLP", "CrossNet", "CrossNetMix", "fm_term", "glorot_normal_"]
@@ -89,9 +91,17 @@ class WideDeep(CTRModel):
 
 
 class DeepFM(WideDeep):
-    """DeepFM: linear + FM 2nd-order term over emb + Dense(1, no bias) over DNN(x0)."""
+    """DeepFM: linear + FM 2nd-order term over emb + Dense(1, no bias) over DNN(x0).
+
+    Under bf16 autocast on the CPU the FM term and a bf16 x0 come from one compiled
+    pass over emb (`ops.deepfm_input`; the same x0 bits as autocast's cast), and the
+    backward is one pass too: ~8 passes over [B, F, d] fewer per step."""
 
     def interaction(self, emb: Tensor, dense: Tensor) -> Tensor:
+        if (use_cpu_loop(emb) and torch.is_autocast_enabled("cpu")
+                and torch.get_autocast_dtype("cpu") == torch.bfloat16):
+            fm, x0 = deepfm_input(emb, dense if self.n_dense else emb.new_zeros(emb.shape[0], 0))
+            return fm + self.out(self.dnn(x0)).squeeze(1)
         return fm_term(emb) + super().interaction(emb, dense)
 
 
