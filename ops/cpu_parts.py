@@ -13,8 +13,8 @@ which keeps results independent of thread timing.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from functools import cache
 
 import torch
 
@@ -38,8 +38,16 @@ def run_parts(run_part: Callable[[int, int, int], None], bounds: list[int]) -> N
             f.result()
 
 
-@cache
+_pool_of_pid: dict[int, object] = {}
+
+
 def _pool():
-    from concurrent.futures import ThreadPoolExecutor
-    return ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads() - 1),
-                              thread_name_prefix="ops-cpu-part")
+    # One pool per process: a child forked after the pool started inherits a pool whose
+    # threads did not come with it, and work handed to it would never run.
+    pid = os.getpid()
+    if pid not in _pool_of_pid:
+        from concurrent.futures import ThreadPoolExecutor
+        _pool_of_pid.clear()
+        _pool_of_pid[pid] = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads() - 1),
+                                               thread_name_prefix="ops-cpu-part")
+    return _pool_of_pid[pid]
