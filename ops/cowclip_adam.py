@@ -284,7 +284,8 @@ def cowclip_adam_cpu(
     split between threads (`cpu_parts`; rows are unique, so the parts write disjoint rows).
 
     Same arguments, in-place effect and result as `cowclip_adam_`, up to float32
-    rounding (the norms are summed in another order than torch's). Rows out of the
+    rounding (the norms are summed in another order than torch's, and torch's float32
+    sqrt on the CPU is not always correctly rounded, the loop's is). Rows out of the
     table's range raise IndexError before any row is written; duplicate rows are
     not checked.
     """
@@ -379,10 +380,12 @@ def _cpu_kernel():
                     if w_norm < lower:
                         counts[1] += 1
                     # thr is 0 only with zeta = 0 on an all-zero row (cut to 0 with a gradient).
+                    # float32 throughout, log2 included: a ratio one float32 step above an
+                    # edge has a float32 log2 on the edge, and the reference counts it there.
                     if thr > 0:
                         ratio = g_norm / thr
                     else:
-                        ratio = np.inf if g_norm > 0 else f32(0.0)
+                        ratio = f32(np.inf) if g_norm > 0 else f32(0.0)
                     if ratio < np.inf:
                         total += ratio
                     log2r = np.log2(ratio)
@@ -390,8 +393,8 @@ def _cpu_kernel():
                         if log2r <= log2_lo + e * log2_step:
                             counts[2 + e] += 1
                 size = f32(step_size)
-                if count_lr_s > 1.0:
-                    size = f32(step_size * count_lr_s * -np.expm1(cnt * count_lr_log_keep))
+                if count_lr_s > 1.0:        # row_lr_multiplier's float32 steps, then the product
+                    size = size * (f32(count_lr_s) * -np.expm1(cnt * f32(count_lr_log_keep)))
                 for j in range(d):
                     mj = b1 * m[k, j] + one_b1 * g[j]
                     vj = b2 * v[k, j] + one_b2 * (g[j] * g[j])

@@ -14,6 +14,7 @@ which keeps results independent of thread timing.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 
 import torch
@@ -39,15 +40,19 @@ def run_parts(run_part: Callable[[int, int, int], None], bounds: list[int]) -> N
 
 
 _pool_of_pid: dict[int, object] = {}
+_pool_lock = threading.Lock()
 
 
 def _pool():
     # One pool per process: a child forked after the pool started inherits a pool whose
-    # threads did not come with it, and work handed to it would never run.
+    # threads did not come with it, and work handed to it would never run. Its threads
+    # start from the thread that first submits (after configure_torch in a run), so they
+    # carry its flush-denormal setting.
     pid = os.getpid()
-    if pid not in _pool_of_pid:
-        from concurrent.futures import ThreadPoolExecutor
-        _pool_of_pid.clear()
-        _pool_of_pid[pid] = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads() - 1),
-                                               thread_name_prefix="ops-cpu-part")
-    return _pool_of_pid[pid]
+    with _pool_lock:
+        if pid not in _pool_of_pid:
+            from concurrent.futures import ThreadPoolExecutor
+            _pool_of_pid.clear()
+            _pool_of_pid[pid] = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads() - 1),
+                                                   thread_name_prefix="ops-cpu-part")
+        return _pool_of_pid[pid]

@@ -14,7 +14,8 @@ and the backward in another, the batch rows split between threads (`cpu_parts`).
 
 x0 is rounded to bf16 as torch rounds (to nearest, ties to even; a NaN stays a
 NaN), so the DNN sees the bits it saw through autocast, and its gradient comes
-back the same; the FM sums run over the fields in order, as torch's do.
+back the same. The FM sums run over the fields in order, torch's do not: fm
+differs from torch's in the last bits (and so do the scores, by rounding).
 
 `deepfm_input_reference` is the torch expression (autograd differentiates it);
 `deepfm_input` picks the compiled loop for CPU tensors (`dispatch.use_cpu_loop`),
@@ -36,7 +37,8 @@ def deepfm_input(emb: torch.Tensor, dense: torch.Tensor) -> tuple[torch.Tensor, 
     """(fm [B] fp32, x0 [B, F*d + n] bf16) of emb [B, F, d] and dense [B, n], both fp32;
     differentiable in emb and dense."""
     if (use_cpu_loop(emb) and emb.dim() == 3 and emb.dtype == torch.float32
-            and dense.dtype == torch.float32 and dense.device.type == "cpu"):
+            and dense.dtype == torch.float32 and dense.device.type == "cpu"
+            and dense.dim() == 2 and dense.shape[0] == emb.shape[0]):
         return _DeepFMInput.apply(emb, dense)
     return deepfm_input_reference(emb, dense)
 
@@ -54,6 +56,9 @@ class _DeepFMInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, emb: torch.Tensor, dense: torch.Tensor):
         b, n_fields, dim = emb.shape
+        if dense.dim() != 2 or dense.shape[0] != b:      # the loop would read past dense
+            raise ValueError(f"deepfm_input: dense {tuple(dense.shape)} does not match "
+                             f"emb {tuple(emb.shape)} (need [{b}, n_dense])")
         emb_flat = emb.detach().contiguous().view(b, n_fields * dim)
         dense_c = dense.detach().contiguous()
         fm = torch.empty(b, dtype=torch.float32)

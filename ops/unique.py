@@ -55,14 +55,18 @@ def _kernels():
         """Unique keys in order of first occurrence into `uniq`, their counts, each key's
         index into them; returns how many. Linear probing in a table of 2**bits (key, id)
         pairs, one cache line per probe, doubled at half full."""
+        golden = np.uint64(0x9E3779B97F4A7C15)
+        shift = np.uint64(64 - bits)
         table = np.empty((1 << bits, 2), np.int64)
         table[:, 1] = -1
         n_unique = 0
         for i in range(keys.shape[0]):
             k = keys[i]
             mask = (1 << bits) - 1
-            h = k * np.int64(-7046029254386353131)          # wraps: a multiply-xorshift mix
-            p = (h ^ (h >> 29)) & mask
+            # Fibonacci hashing: the top bits of k * 2**64/phi depend on every bit of k
+            # (the low bits of a product only on k's low bits: keys apart only in high
+            # bits, i << 40, piled up in a few slots).
+            p = np.int64((np.uint64(k) * golden) >> shift)
             while True:
                 j = table[p, 1]
                 if j < 0:                                   # a free slot: k is new
@@ -75,11 +79,11 @@ def _kernels():
                     if 2 * n_unique > (1 << bits):          # grow: put every key in again
                         bits += 1
                         mask = (1 << bits) - 1
+                        shift = np.uint64(64 - bits)
                         table = np.empty((1 << bits, 2), np.int64)
                         table[:, 1] = -1
                         for q in range(n_unique):
-                            h = uniq[q] * np.int64(-7046029254386353131)
-                            h = (h ^ (h >> 29)) & mask
+                            h = np.int64((np.uint64(uniq[q]) * golden) >> shift)
                             while table[h, 1] >= 0:
                                 h = (h + 1) & mask
                             table[h, 0] = uniq[q]

@@ -213,3 +213,16 @@ def test_cpu_loop_in_parts_matches_one_part(monkeypatch):
     for name in ("rows_clipped", "rows_at_floor", "ratio_le"):
         assert torch.equal(getattr(parts_stats, name), getattr(one_stats, name)), name
     torch.testing.assert_close(parts_stats.ratio_sum, one_stats.ratio_sum, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("edge_log2", [-14, -2, 0, 2])
+def test_cpu_loop_counts_a_ratio_next_to_an_edge_as_the_reference(edge_log2):
+    """A ratio one float32 step above an edge has a float32 log2 on the edge: both
+    paths count it there (the loop once compared in float64 and did not)."""
+    above = torch.nextafter(torch.tensor(2.0**edge_log2), torch.tensor(1e9))
+    table = [torch.tensor([[1.0]]), torch.zeros(1, 1), torch.zeros(1, 1)]
+    batch = [torch.tensor([0]), above.view(1, 1), torch.tensor([1])]
+    kw = dict(clip_zeta=0.0, clip_dims=1, clip_r=1.0)
+    *_, ref = run(cowclip_adam_reference, table, batch, **kw)
+    *_, loop = run(cowclip_adam_cpu, table, batch, **kw)
+    assert torch.equal(loop.ratio_le, ref.ratio_le)

@@ -86,3 +86,11 @@ def test_deepfm_under_cpu_autocast_matches_the_unfused_model():
     torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=1e-6)
     for a, b in zip(fused[2], plain[2]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_dense_of_another_batch_is_refused_not_read_past():
+    emb, dense = inputs(4, 3, 2, 5)
+    with pytest.raises(ValueError, match="does not match"):
+        _DeepFMInput.apply(emb, dense[:2])
+    with pytest.raises(RuntimeError):                 # the dispatcher leaves it to torch.cat
+        deepfm_input(emb, dense[:2])

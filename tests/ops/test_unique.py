@@ -32,8 +32,9 @@ def test_any_int64_value_and_order():
     assert_same(torch.randint(-2**63, 2**63 - 1, (50_000,), generator=gen, dtype=torch.int64))
     assert_same(torch.arange(70_000).flip(0))             # descending, all unique
     assert_same(torch.full((5000,), 42))                   # one key
-    # Keys that collide in the map's low bits: multiples of a large power of two.
+    # Keys apart only in their high bits (multiples of a large power of two).
     assert_same(torch.arange(0, 2**40 * 3000, 2**40))
+    assert_same(torch.arange(-2**61, 2**61, 2**48))
 
 
 def test_other_inputs_go_to_torch_unique():
