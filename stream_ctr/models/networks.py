@@ -95,11 +95,14 @@ class DeepFM(WideDeep):
 
     Under bf16 autocast on the CPU the FM term and a bf16 x0 come from one compiled
     pass over emb (`ops.deepfm_input`; the same x0 bits as autocast's cast), and the
-    backward is one pass too: ~8 passes over [B, F, d] fewer per step."""
+    backward is one pass too: ~8 passes over [B, F, d] fewer per step. Not under
+    torch.compile: dynamo cannot trace the loop (a graph break at each call), and
+    inductor fuses those passes itself."""
 
     def interaction(self, emb: Tensor, dense: Tensor) -> Tensor:
         if (use_cpu_loop(emb) and torch.is_autocast_enabled("cpu")
-                and torch.get_autocast_dtype("cpu") == torch.bfloat16):
+                and torch.get_autocast_dtype("cpu") == torch.bfloat16
+                and not torch.compiler.is_compiling()):
             fm, x0 = deepfm_input(emb, dense if self.n_dense else emb.new_zeros(emb.shape[0], 0))
             return fm + self.out(self.dnn(x0)).squeeze(1)
         return fm_term(emb) + super().interaction(emb, dense)
