@@ -103,7 +103,7 @@ class DeepFM(WideDeep):
         if (use_cpu_loop(emb) and torch.is_autocast_enabled("cpu")
                 and torch.get_autocast_dtype("cpu") == torch.bfloat16
                 and not torch.compiler.is_compiling()):
-            fm, x0 = deepfm_input(emb, dense if self.n_dense else emb.new_zeros(emb.shape[0], 0))
+            fm, x0 = deepfm_input(emb, dense)        # dense is [B, 0] without numeric fields
             return fm + self.out(self.dnn(x0)).squeeze(1)
         return fm_term(emb) + super().interaction(emb, dense)
 
