@@ -9,6 +9,7 @@
     deepfm_input      DeepFM's FM term and bf16 DNN input in one pass over the embeddings (CPU)
     cpu_parts         run a compiled CPU loop over parts of its rows on threads
     unique            a batch's unique keys, inverse and counts (torch.unique's, by a hash map on the CPU)
+    hash_probe        the stores' hash-map lookups and inserts: one Triton launch each on CUDA
 
 Imports torch (and triton lazily, on the first Triton call; numba on the
 first call of a compiled CPU loop); never the rest of stream_ctr.

@@ -84,11 +84,15 @@ def bare_mlp_samples_per_s(in_features: int, hidden: tuple[int, ...], batch_size
 
 
 def _warm_up(trainer, batch: Batch) -> None:
-    """train.compile: compile outside the timed loop (two steps: the first traces, the
-    second runs the compiled graph once); the eager path takes no warm-up."""
-    if trainer.cfg.train.compile:
-        for _ in range(2):
-            trainer.train_step(batch)
+    """Two steps on the first batch before the clock starts, on every device: the
+    first step compiles the Triton kernels (CUDA), loads the compiled CPU loops, and
+    with train.compile traces the model; the second runs what was built. Inside the
+    clock, that cold start made a CUDA run's decode-excluded pass read slower than its
+    decode-included one (BENCHMARKS, H100)."""
+    for _ in range(2):
+        trainer.train_step(batch)
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize(trainer.device)
 
 
 def _worker(source: str, schema: str, model: str, batch_size: int, threads: int, precision: str,

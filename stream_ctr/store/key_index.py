@@ -1,25 +1,24 @@
 """A vectorized open-addressing hash map from int64 feature signs to row ids.
 
 Every operation works on whole tensors of keys (no per-key Python), on CPU or
-on CUDA tensors alike: a lookup is a loop over probe *rounds*, each round one
-gather of a window of `PROBE_WINDOW` consecutive slots for every key still
-unresolved. Linear probing at load 1/2 has probe sequences up to ~40 slots
-long on a batch's 10^4-10^5 keys; looking at 8 slots per round cuts the rounds
-from ~20 to ~3 (measured: 3.5 ms -> see BENCHMARKS.md).
+on CUDA tensors alike: linear probing from a hashed start slot, at a load of
+at most 1/2. On the CPU lookups and inserts are compiled loops (`probe_cpu`);
+elsewhere `ops.hash_probe`: one Triton launch per lookup or insert on CUDA,
+torch probe rounds where Triton is missing or the reference is forced. All
+paths give the same answers.
 
 Row ids are handed out densely (0, 1, 2, ...) in the order keys are inserted,
 so the row a key gets does not depend on where it landed in the slot array:
 two runs that insert the same keys in the same order agree on every row id.
-On the CPU lookups and inserts are compiled loops instead (`probe_cpu`): same answers.
 """
 from __future__ import annotations
 
 import torch
 
+from stream_ctr.ops import hash_probe
 from stream_ctr.store import probe_cpu
 
 EMPTY = -1                      # feature signs are non-negative, so -1 marks a free slot
-PROBE_WINDOW = 8
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
 _MIX = -4658895280553007687     # 0xBF58476D1CE4E5B9 as a signed int64
 
@@ -56,22 +55,7 @@ class KeyIndex:
         mask = self.capacity - 1
         if probe_cpu.usable(self.slot_keys, keys):
             return probe_cpu.find_positions(self.slot_keys, keys, _slot_hash(keys, mask), self.slot_rows)
-        window = torch.arange(PROBE_WINDOW, device=keys.device)
-        pos = _slot_hash(keys, mask)
-        rows = torch.full_like(keys, EMPTY)
-        active = torch.arange(keys.numel(), device=keys.device)
-        while active.numel():
-            slots = (pos[active, None] + window) & mask            # [n, W]
-            found = self.slot_keys[slots]
-            hit = found == keys[active, None]
-            hit_any = hit.any(1)
-            first_hit = hit.to(torch.int8).argmax(1)
-            rows[active[hit_any]] = self.slot_rows[slots[hit_any, first_hit[hit_any]]]
-            # Keys are never deleted, so a key cannot sit beyond a free slot.
-            cont = ~(hit_any | (found == EMPTY).any(1))
-            active = active[cont]
-            pos[active] = (pos[active] + PROBE_WINDOW) & mask
-        return rows
+        return hash_probe.find_positions(self.slot_keys, keys, _slot_hash(keys, mask), self.slot_rows)
 
     def insert(self, keys: torch.Tensor) -> torch.Tensor:
         """Insert keys that are unique and absent; return their new row ids.
@@ -99,25 +83,7 @@ class KeyIndex:
         if probe_cpu.usable(self.slot_keys, keys) and self.slot_keys.is_contiguous():
             probe_cpu.place(self.slot_keys, self.slot_rows, keys, rows, _slot_hash(keys, mask))
             return
-        window = torch.arange(PROBE_WINDOW, device=keys.device)
-        pos = _slot_hash(keys, mask)
-        pending = torch.arange(keys.numel(), device=keys.device)
-        while pending.numel():
-            slots = (pos[pending, None] + window) & mask
-            free = self.slot_keys[slots] == EMPTY
-            has_free = free.any(1)
-            # No free slot in this window: move on to the next one.
-            full = pending[~has_free]
-            pos[full] = (pos[full] + PROBE_WINDOW) & mask
-            cand = pending[has_free]
-            target = slots[has_free, free[has_free].to(torch.int8).argmax(1)]
-            # Several keys may race for one free slot: one write wins, and the
-            # read-back tells each key whether it was the one. Losers rescan
-            # the same window, where that slot is now taken.
-            self.slot_keys[target] = keys[cand]
-            won = self.slot_keys[target] == keys[cand]
-            self.slot_rows[target[won]] = rows[cand[won]]
-            pending = torch.cat([full, cand[~won]])
+        hash_probe.place(self.slot_keys, self.slot_rows, keys, rows, _slot_hash(keys, mask))
 
     def _grow(self, min_size: int) -> None:
         cap = self.capacity

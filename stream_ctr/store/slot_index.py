@@ -1,8 +1,8 @@
 """A vectorized open-addressing map int64 key -> int64 slot, with removal.
 
-The same probing scheme as stream_ctr/store/key_index.py (linear probing, one
-gather per probe round over all unresolved keys, no per-key Python, CPU or
-CUDA tensors alike), plus `remove`: a removed entry becomes a tombstone that
+The same probing scheme as stream_ctr/store/key_index.py (linear probing; compiled
+loops on the CPU, `ops.hash_probe` elsewhere: one Triton launch per lookup or
+insert on CUDA), plus `remove`: a removed entry becomes a tombstone that
 lookups probe past and inserts never reuse, and the table is rebuilt from
 its live entries when live + tombstones pass half the capacity. The tiers
 use it for resident rows, whose slots are reused as rows come and go.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from stream_ctr.ops import hash_probe
 from stream_ctr.store import probe_cpu
 from stream_ctr.store.key_index import _slot_hash
 
@@ -47,17 +48,7 @@ class SlotIndex:
         pos = _slot_hash(keys, mask)
         if probe_cpu.usable(self.keys, keys):             # one compiled loop, same answers
             return probe_cpu.find_positions(self.keys, keys, pos)
-        out = torch.full_like(keys, -1)
-        active = torch.arange(keys.numel(), device=keys.device)
-        while active.numel():
-            p = pos[active]
-            found = self.keys[p]
-            hit = found == keys[active]
-            out[active[hit]] = p[hit]
-            cont = ~(hit | (found == EMPTY))
-            active = active[cont]
-            pos[active] = (p[cont] + 1) & mask
-        return out
+        return hash_probe.find_positions(self.keys, keys, pos)
 
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """Value of each key, -1 where absent."""
@@ -97,18 +88,7 @@ class SlotIndex:
         if probe_cpu.usable(self.keys, keys) and self.keys.is_contiguous():
             probe_cpu.place(self.keys, self.vals, keys, vals, pos)
             return
-        pending = torch.arange(keys.numel(), device=keys.device)
-        while pending.numel():
-            p = pos[pending]
-            free = self.keys[p] == EMPTY
-            cand, cand_pos = pending[free], p[free]
-            # Several keys may race for one free slot: one write wins, and the
-            # read-back tells each key whether it was the one.
-            self.keys[cand_pos] = keys[cand]
-            won = self.keys[cand_pos] == keys[cand]
-            self.vals[cand_pos[won]] = vals[cand[won]]
-            pending = torch.cat([pending[~free], cand[~won]])
-            pos[pending] = (pos[pending] + 1) & mask
+        hash_probe.place(self.keys, self.vals, keys, vals, pos)
 
     def _rebuild(self, min_live: int) -> None:
         keys, vals = self.items()

@@ -60,6 +60,8 @@ def test_gather_rows_large(d):
     _, atomic_grad = fwd_bwd(lambda s, i: gather_rows_triton(s, i, deterministic=False))
     assert torch.equal(seg_out, ref_out)
     assert torch.equal(seg_grad, seg_grad_again)  # the segment sum is bit-reproducible
-    # Hot rows sum ~1e5 terms of N(0,1): compare at the scale of the sums.
-    torch.testing.assert_close(seg_grad, ref_grad, rtol=1e-4, atol=1e-3)
-    torch.testing.assert_close(atomic_grad, ref_grad, rtol=1e-4, atol=1e-3)
+    # Row 0 sums ~56K terms of N(0,1) (rand**4 < 1/u for 5.6% of the slots); float32 sums
+    # of them in two orders differ by up to ~n * eps = 3e-3 where they cancel to a small
+    # total (seen on an H100: 1.1e-3 at a total of 0.12, d=65).
+    torch.testing.assert_close(seg_grad, ref_grad, rtol=1e-4, atol=4e-3)
+    torch.testing.assert_close(atomic_grad, ref_grad, rtol=1e-4, atol=4e-3)

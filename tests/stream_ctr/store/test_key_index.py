@@ -106,3 +106,36 @@ def test_tables_built_by_compiled_inserts_and_by_probe_rounds_answer_alike():
         for rounds in (False, True):
             got = answers(*built, rounds=rounds)
             assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_maps_on_the_gpu_paths_answer_as_the_compiled_loops(monkeypatch, path):
+    """KeyIndex and SlotIndex through ops.hash_probe (the torch rounds, or the Triton
+    kernels: compiled on CUDA, Triton's interpreter here) against the compiled CPU loops:
+    the same row ids through growth, lookups and removals with tombstones and a rebuild."""
+    import os
+    from stream_ctr.ops.dispatch import FORCE_TRITON_ENV, INTERPRET_ENV
+    from stream_ctr.store import probe_cpu
+    from stream_ctr.store.slot_index import SlotIndex
+    if path == "triton":
+        if os.environ.get(INTERPRET_ENV) != "1":
+            pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+        monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.unique(torch.randint(0, 2**20, (n,), generator=g)) for n in (3_000, 5_000, 9_000)]
+
+    def run(usable):
+        monkeypatch.setattr(probe_cpu, "usable", usable)
+        index, slots, out = KeyIndex(16), SlotIndex(max_entries=2_000), []
+        for keys in batches:
+            out += list(index.lookup_or_insert(keys))
+            live = torch.sort(slots.items()[0]).values
+            slots.remove(live[: live.numel() // 2])
+            fresh = keys[slots.lookup(keys) < 0][:1_000]
+            slots.insert(fresh, torch.arange(fresh.numel()) + 7)
+            out.append(slots.lookup(keys))
+        return out + [index.keys_by_row()]
+
+    compiled = run(lambda *t: True)
+    other = run(lambda *t: False)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, other))
