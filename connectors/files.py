@@ -161,6 +161,15 @@ class _LineReader:
         self._ends, self._next = np.concatenate([old, new]).astype(np.int64), 0
 
 
+@dataclasses.dataclass(frozen=True)
+class RawChunk:
+    """Data lines read from a file and not yet decoded: `n_lines` LF-terminated lines
+    whose first is data line `first_offset`."""
+    data: bytes
+    first_offset: int
+    n_lines: int
+
+
 class FileSource:
     """Decoded chunks of one Criteo/Avazu file (plain or gzip), with resumable offsets.
 
@@ -203,18 +212,29 @@ class FileSource:
 
     def read(self, max_records: int | None = None) -> tuple[Batch, list[Rejected]]:
         """Decode the next at most `max_records` data lines (default: chunk_records)."""
+        return self.decode_raw(self.read_raw(max_records))
+
+    def read_raw(self, max_records: int | None = None) -> RawChunk:
+        """The next at most `max_records` data lines (default: chunk_records), not yet
+        decoded. Advances the offset as `read` does; `decode_raw` turns the chunk into
+        what `read` returns. The split lets `ReadAhead` read in order on one thread and
+        decode chunks on several."""
         n = self.chunk_records if max_records is None else max_records
         if self.stop_offset is not None:
             n = min(n, self.stop_offset - self._next_offset)
         data, k = self._lines.take(n) if n > 0 and self._stream is not None else (b"", 0)
-        if k == 0:
+        raw = RawChunk(data, self._next_offset, k)
+        self._next_offset += k
+        return raw
+
+    def decode_raw(self, raw: RawChunk) -> tuple[Batch, list[Rejected]]:
+        """`read`'s (Batch, rejected) of a chunk from `read_raw`. Touches no state of the
+        source: chunks may be decoded on several threads at once."""
+        if raw.n_lines == 0:
             return Batch.empty(self.fmt.n_keys, self.fmt.n_dense, (self.partition,), self.fmt.pooling), []
         if isinstance(self.fmt, Schema):
-            batch, rejected = decode_records(data, self.fmt, self.partition, self._next_offset)
-        else:
-            batch, rejected = decode_lines(data, self.fmt, self.partition, self._next_offset)
-        self._next_offset += k
-        return batch, rejected
+            return decode_records(raw.data, self.fmt, self.partition, raw.first_offset)
+        return decode_lines(raw.data, self.fmt, self.partition, raw.first_offset)
 
     @property
     def next_offset(self) -> int:

@@ -37,6 +37,9 @@ class DataConfig:
     # File sources: chunks decoded ahead on a background thread while the trainer
     # steps (the decoder releases the GIL); 0 = decode on the training thread.
     read_ahead_chunks: int = 2
+    # Threads decoding those chunks at once (handed out in file order); 0 = auto, one
+    # per 4 cores (1 on a 2-core machine, 4 on a 16-core GPU host).
+    decode_threads: int = 0
     dead_letter_path: str = ""      # default: RUN_DIR/dead_letter.jsonl
     # The declared schema of json:/csv: sources, as TOML text (connectors/schema.py): set by
     # --schema FILE or a [schema] table in the config file; stored in every checkpoint.
@@ -438,6 +441,7 @@ def validate(cfg: Config) -> Config:
         (t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}"),
         (t.eval_window_records >= 1, "train.eval_window_records must be >= 1"),
         (cfg.data.read_ahead_chunks >= 0, "data.read_ahead_chunks must be >= 0 (0: no read-ahead)"),
+        (cfg.data.decode_threads >= 0, "data.decode_threads must be >= 0 (0: one per 4 cores)"),
         (t.precision in ("auto", "fp32", "bf16"),
          f"train.precision must be auto, fp32 or bf16, got {t.precision!r}"),
         (t.eval_refresh_s >= 0, "train.eval_refresh_s must be >= 0 (0: recompute the window after every batch)"),

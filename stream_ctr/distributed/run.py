@@ -63,7 +63,13 @@ class StripedSource:
         self.inner, self.rank, self.world = inner, rank, world
 
     def read(self, max_records: int | None = None) -> tuple[Batch, list[Rejected]]:
-        batch, rejected = self.inner.read(max_records)
+        return self._mine(*self.inner.read(max_records))
+
+    def decode_raw(self, raw) -> tuple[Batch, list[Rejected]]:
+        """The stripe's share of a chunk from `read_raw` (which reads the whole file's)."""
+        return self._mine(*self.inner.decode_raw(raw))
+
+    def _mine(self, batch: Batch, rejected: list[Rejected]) -> tuple[Batch, list[Rejected]]:
         mine = batch.offset % self.world == self.rank
         if not mine.all():
             batch = take_rows(batch, np.flatnonzero(mine))

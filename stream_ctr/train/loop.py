@@ -18,7 +18,7 @@ import torch
 
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.files import FileSource, SourceError, count_records, detect_format
-from stream_ctr.connectors.read_ahead import ReadAhead
+from stream_ctr.connectors.read_ahead import ReadAhead, auto_decode_threads
 from stream_ctr.train.heap import keep_heap
 from stream_ctr.train.checkpoint import (CheckpointState, holds_checkpoint, load_checkpoint, resolve_checkpoint,
                                          save_checkpoint)
@@ -261,7 +261,8 @@ class Run:
                                             chunk_records=self.cfg.data.chunk_records,
                                             stop_offset=self.train_end))
         if self.cfg.data.read_ahead_chunks:
-            source = ReadAhead(source, self.cfg.data.read_ahead_chunks)
+            source = ReadAhead(source, self.cfg.data.read_ahead_chunks,
+                               self.cfg.data.decode_threads or auto_decode_threads())
         self.source = source
         return source
 

@@ -51,3 +51,75 @@ def test_a_read_error_surfaces_on_the_callers_thread(tmp_path):
     with ReadAhead(FileSource(broken, fmt, chunk_records=500), depth=2) as ahead:
         with pytest.raises(SourceError, match="broken.tsv.gz"):
             chunks(ahead)
+
+
+@pytest.mark.parametrize("fmt_name, threads", [("criteo", 3), ("avazu", 2)])
+def test_several_decoding_threads_hand_out_the_same_chunks_in_file_order(fmt_name, threads):
+    fmt, path = detect_format(f"{fmt_name}:sample")
+    with FileSource(path, fmt, chunk_records=700, start_offset=100) as plain:
+        expected = chunks(plain)
+    with ReadAhead(FileSource(path, fmt, chunk_records=700, start_offset=100), 2, decode_threads=threads) as ahead:
+        assert ahead._pool is not None
+        got = [c for c in chunks(ahead) if len(c[0])]
+    assert len(got) == len(expected) > 10
+    for (o1, k1, r1), (o2, k2, r2) in zip(got, expected):
+        assert np.array_equal(o1, o2) and np.array_equal(k1, k2) and r1 == r2
+
+
+def test_a_decode_error_surfaces_in_file_order_after_the_chunks_before_it(monkeypatch):
+    fmt, path = detect_format("criteo:sample")
+    decode = FileSource.decode_raw
+
+    def failing(self, raw):
+        if raw.first_offset == 3000:
+            raise SourceError("chunk at 3000 is bad")
+        return decode(self, raw)
+    monkeypatch.setattr(FileSource, "decode_raw", failing)
+    with ReadAhead(FileSource(path, fmt, chunk_records=1000), depth=2, decode_threads=3) as ahead:
+        firsts = [ahead.read()[0].offset[0] for _ in range(3)]
+        assert firsts == [0, 1000, 2000]
+        with pytest.raises(SourceError, match="chunk at 3000"):
+            ahead.read()
+        assert ahead.exhausted
+
+
+def test_close_mid_file_stops_the_decoding_threads():
+    fmt, path = detect_format("criteo:sample")
+    source = FileSource(path, fmt, chunk_records=100)
+    ahead = ReadAhead(source, depth=2, decode_threads=4)
+    assert ahead.read()[0].offset[0] == 0
+    ahead.close()
+    assert not any(t.name.startswith("stream-ctr-decode") for t in threading.enumerate())
+    # At most max(depth, threads) chunks (+ the one being put) beyond what was handed out.
+    assert source.next_offset <= 100 * (1 + 4 + 1)
+
+
+def test_a_ranks_stripe_decoded_on_several_threads_is_its_stripe():
+    from stream_ctr.distributed.run import StripedSource
+    fmt, path = detect_format("criteo:sample")
+    with StripedSource(FileSource(path, fmt, chunk_records=900), 1, 3) as plain:
+        expected = chunks(plain)
+    with ReadAhead(StripedSource(FileSource(path, fmt, chunk_records=900), 1, 3), 2, decode_threads=2) as ahead:
+        assert ahead._pool is not None
+        got = [c for c in chunks(ahead) if len(c[0])]
+    assert len(got) == len(expected)
+    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(got, expected))
+    assert all((c[0] % 3 == 1).all() for c in got)
+
+
+def test_sources_without_a_raw_read_stay_on_one_thread():
+    class Plain:
+        exhausted, fmt, partition = True, None, "p"
+
+        def read(self):
+            raise AssertionError("exhausted: never read")
+
+        def close(self):
+            pass
+    with ReadAhead(Plain(), 2, decode_threads=4) as ahead:
+        assert ahead._pool is None
+
+
+def test_auto_decode_threads_is_one_per_four_cores():
+    from stream_ctr.connectors.read_ahead import auto_decode_threads
+    assert [auto_decode_threads(c) for c in (1, 2, 4, 16, 64)] == [1, 1, 1, 4, 8]

@@ -33,18 +33,19 @@ def tensors_equal(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("read_ahead, chunk", [(0, 65536), (2, 300)])
-def test_resume_is_bit_identical(tmp_path, read_ahead, chunk):
-    """With chunks read ahead on a thread (small chunks: many of them in flight when
-    the first run stops at its limit), the resume point is still the last trained row."""
+@pytest.mark.parametrize("read_ahead, chunk, decode_threads", [(0, 65536, 1), (2, 300, 1), (2, 300, 3)])
+def test_resume_is_bit_identical(tmp_path, read_ahead, chunk, decode_threads):
+    """With chunks read ahead on a thread, or decoded on three (small chunks: many of
+    them in flight when the first run stops at its limit), the resume point is still
+    the last trained row."""
     # N + M batches in one run ...
     whole = small_config(tmp_path / "whole", limit_records=20 * 128, read_ahead_chunks=read_ahead,
-                         chunk_records=chunk)
+                         chunk_records=chunk, decode_threads=decode_threads)
     s = train(whole, show_progress=False)
     assert s.records_trained == 20 * 128 and s.batches == 20
     # ... equal N batches, stop, resume, M more.
     part = small_config(tmp_path / "part", limit_records=8 * 128, read_ahead_chunks=read_ahead,
-                        chunk_records=chunk)
+                        chunk_records=chunk, decode_threads=decode_threads)
     train(part, show_progress=False)
     part.data.limit_records = 12 * 128
     s2 = train(part, resume=part.train.run_dir, show_progress=False)
