@@ -7,23 +7,32 @@ the same device (read + write counted), which is about the best a kernel that
 streams memory can do. The issue's goal: fused CowClip + Adam at >= 70% of
 the copy bandwidth for 1M rows of d=16 on an H100.
 
-Kernels, each as its torch reference and its Triton kernel side by side:
-- cowclip_adam: `cowclip_adam_reference` vs `cowclip_adam_triton`, on U
-  touched rows (unique, random order) of a table of 2U rows of d fp32
-  columns, all d columns clipped;
+Kernels, each as its torch reference and its fast path side by side: the Triton
+kernel on CUDA, the op's compiled loop on the CPU (where it has one):
+- cowclip_adam: `cowclip_adam_reference` vs `cowclip_adam_triton` /
+  `cowclip_adam_cpu`, on U touched rows (unique, random order) of a table of
+  2U rows of d fp32 columns, all d columns clipped;
 - gather_forward: `out[j] = unique_rows[inverse[j]]` for M = batch x fields
   slots over U unique rows (each used at least once, the rest skewed toward
   hot rows, like Zipf ids; random order);
 - gather_backward_segment_sum / gather_backward_atomic: the gradient of the
   gather summed per unique row, timed through `torch.autograd.grad` on a kept
   graph; Triton by sorted segment sum (deterministic) or by atomic adds; the
-  reference of both is `index_add_`.
+  reference of both is `index_add_` (on the CPU a compiled loop of the same
+  additions, `ops.cpu_rows`: the CPU has no second path here);
+- hash_find: the stores' hash-map lookup (`ops.hash_probe`) of U present keys
+  in random order, in a table of 4U slots holding them: the torch probe rounds
+  vs the Triton kernel / the stores' compiled loop (`store.probe_cpu`); d is
+  not used;
+- unique_keys: a batch's unique keys, inverse and counts of M slots holding U
+  distinct keys: `torch.unique` vs `ops.unique.unique_keys`'s hash map (CPU
+  only; on CUDA both are torch.unique).
 
 Times are medians of `--repeat` calls after `--warmup` calls; on CUDA each
 call is bracketed by CUDA events on the current stream, on the CPU by
 `time.perf_counter`. Sizes below the GPU's L2 cache (about 50 MB on an H100)
-measure the cache, not memory. On the CPU only the references run: Triton's
-CPU interpreter is far too slow to time.
+measure the cache, not memory. Triton's CPU interpreter is never timed: it is
+far too slow.
 """
 from __future__ import annotations
 
@@ -47,7 +56,7 @@ ADAM_KWARGS = dict(step=10, lr=1e-3, l2=1e-5, clip_r=1.0, clip_zeta=1e-5,
 
 def add_bench_kernels_parser(bsub: argparse._SubParsersAction, add_common) -> None:
     b = bsub.add_parser("kernels", help="ops/ kernels: ms per call and GB/s vs a device copy, "
-                        "torch reference vs Triton", description=__doc__.split("\n\n")[0])
+                        "torch reference vs Triton (CUDA) or the compiled CPU loops", description=__doc__.split("\n\n")[0])
     b.add_argument("--rows", type=int, default=1_000_000, help="touched rows of CowClip + Adam, "
                    "and unique rows of the gather (default 1,000,000)")
     b.add_argument("--dims", default="16", help="embedding widths d, comma-separated (default 16; "
@@ -111,6 +120,18 @@ def gather_backward_bytes(slots: int, unique_rows: int, dim: int) -> int:
     return slots * INT64_BYTES + (unique_rows + slots) * dim * FLOAT32_BYTES
 
 
+def hash_find_bytes(keys: int) -> int:
+    """A lookup of `keys` present keys: reads each key and its start slot (int64), the
+    slot that holds it (key + value, int64 each), writes its value (int64)."""
+    return keys * 5 * INT64_BYTES
+
+
+def unique_keys_bytes(slots: int, unique: int) -> int:
+    """Reads the slots' keys, writes each slot's index and the unique keys with their
+    counts (int64 each)."""
+    return (2 * slots + 2 * unique) * INT64_BYTES
+
+
 # -- timing -------------------------------------------------------------------------------
 
 def synchronize(device: torch.device) -> None:
@@ -171,6 +192,16 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def fast_path_name(device: torch.device) -> tuple[str, bool]:
+    """(name of the fast path on `device`, whether it runs): "triton" on CUDA, "cpu-loops"
+    on the CPU; "n/a (...)" where Triton cannot run on CUDA."""
+    from stream_ctr.ops import dispatch
+    if device.type != "cuda":
+        return dispatch.PATH_CPU_LOOPS, True
+    reason = triton_unavailable_reason(device)
+    return (f"n/a ({reason})", False) if reason else (dispatch.PATH_TRITON, True)
+
+
 # -- inputs -------------------------------------------------------------------------------
 
 def make_inverse(slots: int, unique_rows: int, device: torch.device, seed: int) -> torch.Tensor:
@@ -183,24 +214,30 @@ def make_inverse(slots: int, unique_rows: int, device: torch.device, seed: int) 
     return inverse[torch.randperm(slots, generator=gen)].to(device)
 
 
+Setup = Callable[[], Callable[[], object]]
+
+
 @dataclass
 class KernelCase:
-    """One kernel at one shape. `reference` and `triton` are set-ups: each is called
+    """One kernel at one shape. `reference` and `fast` are set-ups: each is called
     once, when its path is timed, and returns the call to time (a backward set-up
-    runs its forward first, so nothing of a path that is skipped ever runs)."""
+    runs its forward first, so nothing of a path that is skipped ever runs). `fast`
+    is the kernel on the device's fast path (Triton on CUDA, the compiled loop on the
+    CPU), None where the op has none there; `no_fast` then says why."""
     kernel: str
     dim: int
     shape: str
     bytes: int
     slots: int | None
-    reference: Callable[[], Callable[[], object]]
-    triton: Callable[[], Callable[[], object]]
+    reference: Setup
+    fast: Setup | None
+    no_fast: str = ""
 
 
 def cowclip_adam_case(rows: int, dim: int, device: torch.device, seed: int) -> KernelCase:
     """CowClip + Adam on `rows` unique touched rows, random order, of a table of 2 x rows."""
     import torch
-    from stream_ctr.ops.cowclip_adam import cowclip_adam_reference, cowclip_adam_triton
+    from stream_ctr.ops.cowclip_adam import cowclip_adam_cpu, cowclip_adam_reference, cowclip_adam_triton
     gen = torch.Generator().manual_seed(seed)
     table_rows = TABLE_ROWS_PER_TOUCHED_ROW * rows
     weight = (torch.randn(table_rows, dim, generator=gen) * 0.01).to(device)
@@ -213,9 +250,10 @@ def cowclip_adam_case(rows: int, dim: int, device: torch.device, seed: int) -> K
     def setup(impl):
         return lambda: lambda: impl(weight, exp_avg, exp_avg_sq, touched, grad, count,
                                     clip_dims=dim, **ADAM_KWARGS)
+    fast = cowclip_adam_triton if device.type == "cuda" else cowclip_adam_cpu
     return KernelCase("cowclip_adam", dim, f"{rows:,} of {table_rows:,} rows x {dim}",
                       cowclip_adam_bytes(rows, dim), None,
-                      setup(cowclip_adam_reference), setup(cowclip_adam_triton))
+                      setup(cowclip_adam_reference), setup(fast))
 
 
 def gather_cases(slots: int, rows: int, dim: int, device: torch.device, seed: int) -> list[KernelCase]:
@@ -243,13 +281,49 @@ def gather_cases(slots: int, rows: int, dim: int, device: torch.device, seed: in
     shape = f"{slots:,} slots x {dim}, {rows:,} unique rows"
     forward_bytes = gather_forward_bytes(slots, rows, dim)
     backward_bytes = gather_backward_bytes(slots, rows, dim)
+    cuda = device.type == "cuda"
+    no_loop = "" if cuda else "n/a (no CPU loop)"
     return [
         KernelCase("gather_forward", dim, shape, forward_bytes, slots,
-                   forward(gather_rows_reference), forward(gather_rows_triton)),
+                   forward(gather_rows_reference), forward(gather_rows_triton) if cuda else None, no_loop),
         KernelCase("gather_backward_segment_sum", dim, shape, backward_bytes, slots,
-                   backward(gather_rows_reference), backward(gather_rows_triton)),
+                   backward(gather_rows_reference), backward(gather_rows_triton) if cuda else None, no_loop),
         KernelCase("gather_backward_atomic", dim, shape, backward_bytes, slots,
-                   backward(gather_rows_reference), backward(gather_atomic)),
+                   backward(gather_rows_reference), backward(gather_atomic) if cuda else None, no_loop),
+    ]
+
+
+def key_cases(slots: int, rows: int, device: torch.device, seed: int) -> list[KernelCase]:
+    """The stores' hash-map lookup and a batch's unique keys, at `rows` distinct keys."""
+    import torch
+    from stream_ctr.ops import hash_probe
+    from stream_ctr.ops.unique import unique_keys
+    from stream_ctr.store import probe_cpu
+    from stream_ctr.store.key_index import _slot_hash
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randint(0, 2**62, (rows,), generator=gen).unique()
+    keys = keys[torch.randperm(keys.numel(), generator=gen)]
+    cap = 1 << (4 * keys.numel() - 1).bit_length()
+    table_keys = torch.full((cap,), -1, dtype=torch.int64)
+    table_vals = torch.full((cap,), -1, dtype=torch.int64)
+    probe_cpu.place(table_keys, table_vals, keys, torch.arange(keys.numel()), _slot_hash(keys, cap - 1))
+    table_keys, table_vals, keys = table_keys.to(device), table_vals.to(device), keys.to(device)
+    query = keys[torch.randperm(keys.numel(), generator=gen).to(device)]
+    start = _slot_hash(query, cap - 1)
+
+    def find(fn):
+        return lambda: lambda: fn(table_keys, query, start, table_vals)
+    fast_find = hash_probe.find_positions_triton if device.type == "cuda" else probe_cpu.find_positions
+    slot_keys = keys[make_inverse(slots, keys.numel(), device, seed)]
+    cuda = device.type == "cuda"
+    return [
+        KernelCase("hash_find", 0, f"{keys.numel():,} keys in {cap:,} slots", hash_find_bytes(keys.numel()),
+                   None, find(hash_probe.find_positions_reference), find(fast_find)),
+        KernelCase("unique_keys", 0, f"{slots:,} slots, {keys.numel():,} distinct keys",
+                   unique_keys_bytes(slots, keys.numel()), slots,
+                   lambda: lambda: torch.unique(slot_keys, return_inverse=True, return_counts=True),
+                   None if cuda else (lambda: lambda: unique_keys(slot_keys)),
+                   "n/a (torch.unique on CUDA)" if cuda else ""),
     ]
 
 
@@ -257,36 +331,39 @@ def gather_cases(slots: int, rows: int, dim: int, device: torch.device, seed: in
 
 def bench_kernels(rows: int, dims: list[int], slots: int, device: torch.device, repeat: int,
                   warmup: int, seed: int = 0, show_progress: bool = False) -> list[dict]:
-    """One result row per (kernel, d): bytes moved, copy bandwidth, and per path
-    (`reference_*`, `triton_*`) seconds per call, bytes/s and the ratio to the copy.
-    The Triton fields are None where `triton_unavailable_reason(device)` says so."""
+    """One result row per (kernel, d) (hash_find and unique_keys once, d = 0): bytes
+    moved, copy bandwidth, and per path (`reference_*`, `fast_*`) seconds per call,
+    bytes/s and the ratio to the copy. `fast_path` names the fast path ("triton",
+    "cpu-loops"); its numbers are None where it does not run, and `fast_path` says why."""
     import torch
     from stream_ctr.ops import dispatch
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    skip_triton = triton_unavailable_reason(device)
-    triton_path = f"n/a ({skip_triton})" if skip_triton else dispatch.PATH_TRITON
+    fast_path, fast_runs = fast_path_name(device)
     copy_cache: dict[int, float] = {}
     results = []
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         for dim in dims:
             cases = [cowclip_adam_case(rows, dim, device, seed),
                      *gather_cases(slots, rows, dim, device, seed)]
+            if dim == dims[-1]:            # no width: once, after the last width's cases
+                cases += key_cases(slots, rows, device, seed)
             for case in cases:
                 if case.bytes not in copy_cache:
                     copy_cache[case.bytes] = copy_bytes_per_s(case.bytes, device, repeat, warmup)
-                row = {"kernel": case.kernel, "dim": dim, "shape": case.shape, "rows": rows,
+                row = {"kernel": case.kernel, "dim": case.dim, "shape": case.shape, "rows": rows,
                        "slots": case.slots, "bytes": case.bytes,
                        "copy_bytes_per_s": copy_cache[case.bytes]}
                 row.update(_time_path("reference", dispatch.PATH_REFERENCE, case.reference, row,
                                       device, repeat, warmup))
-                row.update(_time_path("triton", triton_path, None if skip_triton else case.triton,
-                                      row, device, repeat, warmup))
+                runs = fast_runs and case.fast is not None
+                row.update(_time_path("fast", fast_path if runs else (case.no_fast or fast_path),
+                                      case.fast if runs else None, row, device, repeat, warmup))
                 results.append(row)
                 if show_progress:
-                    print(f"bench kernels: {case.kernel} d={dim}: reference "
-                          f"{row['reference_bytes_per_s'] / 1e9:.1f} GB/s, triton "
-                          f"{_gb_per_s(row['triton_bytes_per_s'])}", file=sys.stderr, flush=True)
+                    print(f"bench kernels: {case.kernel} d={case.dim}: reference "
+                          f"{row['reference_bytes_per_s'] / 1e9:.1f} GB/s, {row['fast_path']} "
+                          f"{_gb_per_s(row['fast_bytes_per_s'])}", file=sys.stderr, flush=True)
             del cases
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -314,13 +391,14 @@ def _time_path(prefix: str, path: str, setup: Callable[[], Callable[[], object]]
 def format_kernels_table(rows: list[dict]) -> str:
     def cells(r: dict, prefix: str) -> list[str]:
         if r[f"{prefix}_seconds_per_call"] is None:
-            return [r[f"{prefix}_path"], "-", "-"]
+            return ["-", "-", "-"]
         return [f"{r[f'{prefix}_seconds_per_call'] * 1e3:.3f}", f"{r[f'{prefix}_bytes_per_s'] / 1e9:.1f}",
                 f"{r[f'{prefix}_vs_copy']:.0%}"]
     head = ["kernel", "d", "shape", "MB moved", "copy GB/s", "torch ms", "torch GB/s", "torch/copy",
-            "triton ms", "triton GB/s", "triton/copy"]
-    table = [head] + [[r["kernel"], str(r["dim"]), r["shape"], f"{r['bytes'] / 1e6:,.1f}",
-                       f"{r['copy_bytes_per_s'] / 1e9:.1f}", *cells(r, "reference"), *cells(r, "triton")]
+            "fast path", "fast ms", "fast GB/s", "fast/copy"]
+    table = [head] + [[r["kernel"], str(r["dim"] or "-"), r["shape"], f"{r['bytes'] / 1e6:,.1f}",
+                       f"{r['copy_bytes_per_s'] / 1e9:.1f}", *cells(r, "reference"),
+                       r["fast_path"], *cells(r, "fast")]
                       for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(head))]
     lines = [" | ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))

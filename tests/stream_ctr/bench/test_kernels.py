@@ -2,8 +2,8 @@
 
 Structure and sanity of the numbers only (finite, positive, consistent with
 each other, bytes that match the shapes): no timing assertions, the machines
-that run the tests are noisy. On a CUDA machine the Triton columns are
-checked too; elsewhere they must say why they are missing.
+that run the tests are noisy. The fast path is Triton on a CUDA machine and
+the compiled CPU loops elsewhere; where a kernel has none, the row says why.
 """
 import json
 import math
@@ -18,6 +18,14 @@ from stream_ctr.cli import main
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
 KERNELS = ["cowclip_adam", "gather_forward", "gather_backward_segment_sum", "gather_backward_atomic"]
+KEY_KERNELS = ["hash_find", "unique_keys"]        # once, after the last width's
+
+
+def fast_path_of(kernel: str) -> str | None:
+    """The fast path a kernel's row names: None where it has none on this device."""
+    if ON_CUDA:
+        return None if kernel == "unique_keys" else dispatch.PATH_TRITON
+    return dispatch.PATH_CPU_LOOPS if kernel in ("cowclip_adam", "hash_find", "unique_keys") else None
 
 
 def run_json(capsys, *args: str) -> dict:
@@ -35,7 +43,8 @@ def test_bench_kernels_json(capsys):
     out = run_json(capsys, "bench", "kernels", "--rows", str(rows), "--dims", "4,16",
                    "--batch-size", str(batch), "--fields", str(fields), "--repeat", "2", "--warmup", "1")
     assert out["bench"] == "kernels" and out["device"].startswith(DEVICE)
-    assert [(r["kernel"], r["dim"]) for r in out["rows"]] == [(k, d) for d in dims for k in KERNELS]
+    assert [(r["kernel"], r["dim"]) for r in out["rows"]] == \
+        [(k, d) for d in dims for k in KERNELS] + [(k, 0) for k in KEY_KERNELS]
     slots = batch * fields
     for r in out["rows"]:
         d = r["dim"]
@@ -44,6 +53,14 @@ def test_bench_kernels_json(capsys):
             # reads w, m, v, grad + row ids + counts; writes w, m, v
             expected = 4 * rows * d * fp32 + 2 * rows * int64 + 3 * rows * d * fp32
             assert r["slots"] is None
+        elif r["kernel"] == "hash_find":
+            # reads key, start, the slot's key and value; writes the value
+            expected = 5 * rows * int64
+            assert r["slots"] is None
+        elif r["kernel"] == "unique_keys":
+            # reads the slots' keys; writes their indices, the unique keys and counts
+            expected = (2 * slots + 2 * rows) * int64
+            assert r["slots"] == slots
         else:
             # forward: inverse + each unique row in, slots rows out;
             # backward: inverse + slot gradients in, unique row sums out
@@ -51,28 +68,28 @@ def test_bench_kernels_json(capsys):
             assert r["slots"] == slots
         assert r["rows"] == rows and r["bytes"] == expected
         assert positive(r["copy_bytes_per_s"])
-        paths = ["reference", "triton"] if ON_CUDA else ["reference"]
-        for p in paths:
+        fast = fast_path_of(r["kernel"])
+        for p in ["reference", "fast"] if fast else ["reference"]:
             assert positive(r[f"{p}_seconds_per_call"])
             assert r[f"{p}_bytes_per_s"] == pytest.approx(r["bytes"] / r[f"{p}_seconds_per_call"])
             assert r[f"{p}_vs_copy"] == pytest.approx(r[f"{p}_bytes_per_s"] / r["copy_bytes_per_s"])
         assert r["reference_path"] == dispatch.PATH_REFERENCE
-        if ON_CUDA:
-            assert r["triton_path"] == dispatch.PATH_TRITON
+        if fast:
+            assert r["fast_path"] == fast
         else:
-            assert r["triton_path"] == "n/a (no CUDA)"
-            assert r["triton_seconds_per_call"] is None and r["triton_vs_copy"] is None
+            assert r["fast_path"].startswith("n/a (")
+            assert r["fast_seconds_per_call"] is None and r["fast_vs_copy"] is None
 
 
 def test_bench_kernels_table(capsys):
     assert main(["bench", "kernels", "--rows", "100", "--dims", "8", "--batch-size", "8",
                  "--fields", "13", "--repeat", "1", "--warmup", "0", "--device", DEVICE, "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "copy GB/s" in out and "triton/copy" in out
-    for kernel in KERNELS:
+    assert "copy GB/s" in out and "fast/copy" in out
+    for kernel in KERNELS + KEY_KERNELS:
         assert kernel in out
-    assert ("n/a (no CUDA)" in out) != ON_CUDA
-    assert out.strip().splitlines()[-1].startswith(f"bench kernels: 4 kernels measured on {DEVICE}")
+    assert (dispatch.PATH_CPU_LOOPS in out) != ON_CUDA
+    assert out.strip().splitlines()[-1].startswith(f"bench kernels: 6 kernels measured on {DEVICE}")
 
 
 def test_bench_kernels_too_few_slots_is_a_user_error(capsys):
