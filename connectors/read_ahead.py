@@ -7,7 +7,8 @@ stalling it. One thread reads the file's lines in order; with
 still handed out in file order. On a GPU machine one decoding thread was the
 limit (0.6-0.75M Criteo records/s against 1.1-7.8M samples/s of training
 steps on an H200, BENCHMARKS). Memory is bounded: at most
-max(depth, decode_threads) chunks wait or are being decoded.
+max(depth, decode_threads) chunks wait or are being decoded, and the reading
+thread holds one more while it waits for room.
 """
 from __future__ import annotations
 

@@ -12,7 +12,10 @@ hashes. Two operations, each with the same answers on every path:
   unique and absent, each in the first free slot of its probe sequence (never
   a tombstone), and its value beside it. Keys racing for one free slot may
   end up in another order along the sequence than the reference puts them,
-  which no lookup can tell apart.
+  which no lookup can tell apart. A key given twice, or one already present,
+  is outside the contract (the paths differ then); the table must keep a free
+  slot for every key, which the maps ensure by growing first at half load (a
+  full table would make the kernel probe forever).
 
 Paths: on CUDA a Triton kernel, one lane per key walking its sequence (the
 inserts claim a slot with an atomic compare-and-swap); elsewhere the torch
@@ -90,7 +93,7 @@ def place_reference(table_keys: torch.Tensor, table_vals: torch.Tensor, keys: to
 def find_positions_triton(table_keys: torch.Tensor, keys: torch.Tensor, start: torch.Tensor,
                           table_vals: torch.Tensor | None = None) -> torch.Tensor:
     check_triton_device(keys)
-    _check(table_keys, keys, start)
+    _check(table_keys, keys, start, table_vals)
     out = torch.empty_like(keys)
     n = keys.numel()
     if n:
@@ -104,9 +107,7 @@ def find_positions_triton(table_keys: torch.Tensor, keys: torch.Tensor, start: t
 def place_triton(table_keys: torch.Tensor, table_vals: torch.Tensor, keys: torch.Tensor,
                  vals: torch.Tensor, start: torch.Tensor) -> None:
     check_triton_device(keys)
-    _check(table_keys, keys, start)
-    if not (table_keys.is_contiguous() and table_vals.is_contiguous()):
-        raise ValueError("place_triton writes the tables in place: they must be contiguous")
+    _check(table_keys, keys, start, table_vals)
     n = keys.numel()
     if n:
         _kernels()["place"][(triton.cdiv(n, _BLOCK),)](
@@ -114,13 +115,18 @@ def place_triton(table_keys: torch.Tensor, table_vals: torch.Tensor, keys: torch
             start.contiguous(), n, table_keys.numel() - 1, BLOCK=_BLOCK)
 
 
-def _check(table_keys: torch.Tensor, keys: torch.Tensor, start: torch.Tensor) -> None:
+def _check(table_keys: torch.Tensor, keys: torch.Tensor, start: torch.Tensor,
+           table_vals: torch.Tensor | None) -> None:
     cap = table_keys.numel()
     if cap & (cap - 1) or keys.dtype != torch.int64 or table_keys.dtype != torch.int64:
         raise ValueError(f"hash probe needs int64 keys and a power-of-two int64 table, got "
                          f"{keys.dtype} keys and {cap} {table_keys.dtype} slots")
     if start.shape != keys.shape:
         raise ValueError(f"one start slot per key: {tuple(start.shape)} for {tuple(keys.shape)}")
+    # The kernels index the tables as flat arrays: a strided view would be read wrongly.
+    if not table_keys.is_contiguous() or (table_vals is not None and (
+            not table_vals.is_contiguous() or table_vals.shape != table_keys.shape)):
+        raise ValueError("hash probe needs contiguous key and value tables of one shape")
 
 
 def _find_kernel(table_keys_ptr, table_vals_ptr, keys_ptr, start_ptr, out_ptr, n, mask,
@@ -128,7 +134,7 @@ def _find_kernel(table_keys_ptr, table_vals_ptr, keys_ptr, start_ptr, out_ptr, n
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     key = tl.load(keys_ptr + offs, mask=live, other=0)
-    pos = tl.load(start_ptr + offs, mask=live, other=0)
+    pos = tl.load(start_ptr + offs, mask=live, other=0) & mask     # never outside the table
     out = tl.full((BLOCK,), -1, tl.int64)
     active = live
     # A lane's walk ends at its key or at a free slot; the table is at most half full,
@@ -152,7 +158,7 @@ def _place_kernel(table_keys_ptr, table_vals_ptr, keys_ptr, vals_ptr, start_ptr,
     live = offs < n
     key = tl.load(keys_ptr + offs, mask=live, other=0)
     val = tl.load(vals_ptr + offs, mask=live, other=0)
-    pos = tl.load(start_ptr + offs, mask=live, other=0)
+    pos = tl.load(start_ptr + offs, mask=live, other=0) & mask
     active = live
     while tl.max(active.to(tl.int32), axis=0) > 0:
         # Lanes that are done compare against a value no slot holds: their CAS writes
@@ -172,4 +178,6 @@ def _kernels() -> dict:
     global triton, tl
     import triton
     import triton.language as tl
-    return {"find": triton.jit(_find_kernel), "place": triton.jit(_place_kernel)}
+    # The key count changes every batch: no kernel variant per n % 16 (each a compile).
+    return {"find": triton.jit(_find_kernel, do_not_specialize=["n"]),
+            "place": triton.jit(_place_kernel, do_not_specialize=["n"])}

@@ -83,14 +83,17 @@ def bare_mlp_samples_per_s(in_features: int, hidden: tuple[int, ...], batch_size
     return steps * batch_size / (time.perf_counter() - t0)
 
 
-def _warm_up(trainer, batch: Batch) -> None:
+def _warm_up(trainer, batch: Batch, new_trainer) -> None:
     """Two steps on the first batch before the clock starts, on every device: the
-    first step compiles the Triton kernels (CUDA), loads the compiled CPU loops, and
-    with train.compile traces the model; the second runs what was built. Inside the
-    clock, that cold start made a CUDA run's decode-excluded pass read slower than its
-    decode-included one (BENCHMARKS, H100)."""
+    first step compiles the Triton kernels (CUDA) and loads the compiled CPU loops,
+    the second runs what was built. Inside the clock, that cold start made a CUDA run's
+    decode-excluded pass read slower than its decode-included one (BENCHMARKS, H100).
+    The steps go to a throwaway trainer (the kernels are the process's), so the timed
+    one starts with an empty store; with train.compile the timed trainer itself is
+    warmed, since its compiled graph is its own."""
+    warm = trainer if trainer.cfg.train.compile else new_trainer()
     for _ in range(2):
-        trainer.train_step(batch)
+        warm.train_step(batch)
     if trainer.device.type == "cuda":
         torch.cuda.synchronize(trainer.device)
 
@@ -111,7 +114,7 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
     trainer = Trainer.for_format(cfg, fmt)
     phases = {"prepare": 0.0, "forward_backward": 0.0, "update": 0.0}
     warm = batches[0]
-    _warm_up(trainer, warm)
+    _warm_up(trainer, warm, lambda: Trainer.for_format(cfg, fmt))
     t0 = time.perf_counter()
     for batch in batches:
         result = trainer.train_step(batch)
@@ -131,7 +134,7 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
         return {p: bare_mlp_samples_per_s(in_features, cfg.model.mlp_dims, batch_size, p, trainer.device)
                 for p in ("fp32", "bf16")}
     bare_before = bare_mlp()
-    _warm_up(trainer, warm)
+    _warm_up(trainer, warm, lambda: Trainer.for_format(cfg, fmt))
     t0 = time.perf_counter()
     fmt, p = detect_format(source, schema)
     batcher = MicroBatcher(batch_size)

@@ -14,8 +14,8 @@ tombstone), as the vectorized rounds do; they may pick another free slot when
 keys race for one, which no lookup can tell apart.  43K new keys: 23 ms in
 rounds.
 
-Only CPU int64 tensors come here; the maps keep the vectorized rounds for
-CUDA, where they are one kernel launch per round.
+Only CPU int64 tensors come here; on CUDA the maps go to `ops.hash_probe`
+(one Triton launch per lookup or insert).
 """
 from __future__ import annotations
 

@@ -99,3 +99,9 @@ def test_bad_tables_are_refused_with_the_reason(triton_device):
         hash_probe.find_positions_triton(torch.full((12,), -1, device=triton_device), keys, keys)
     with pytest.raises(ValueError, match="one start slot per key"):
         hash_probe.find_positions_triton(torch.full((16,), -1, device=triton_device), keys, keys[:2])
+    strided = torch.full((32,), -1, device=triton_device)[::2]        # 16 slots, not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        hash_probe.find_positions_triton(strided, keys, keys)
+    with pytest.raises(ValueError, match="one shape"):
+        hash_probe.place_triton(torch.full((16,), -1, device=triton_device),
+                                torch.full((8,), -1, device=triton_device), keys, keys, keys)

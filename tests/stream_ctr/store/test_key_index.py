@@ -108,11 +108,12 @@ def test_tables_built_by_compiled_inserts_and_by_probe_rounds_answer_alike():
             assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("path", ["reference", "triton", "cuda"])
 def test_maps_on_the_gpu_paths_answer_as_the_compiled_loops(monkeypatch, path):
-    """KeyIndex and SlotIndex through ops.hash_probe (the torch rounds, or the Triton
-    kernels: compiled on CUDA, Triton's interpreter here) against the compiled CPU loops:
-    the same row ids through growth, lookups and removals with tombstones and a rebuild."""
+    """KeyIndex and SlotIndex through ops.hash_probe (the torch rounds; the Triton
+    kernels under Triton's interpreter; the maps on a GPU, compiled Triton) against the
+    compiled CPU loops: the same row ids through growth, lookups and removals with
+    tombstones and a rebuild."""
     import os
     from stream_ctr.ops.dispatch import FORCE_TRITON_ENV, INTERPRET_ENV
     from stream_ctr.store import probe_cpu
@@ -121,21 +122,26 @@ def test_maps_on_the_gpu_paths_answer_as_the_compiled_loops(monkeypatch, path):
         if os.environ.get(INTERPRET_ENV) != "1":
             pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
         monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    if path == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    device = "cuda" if path == "cuda" else "cpu"
     g = torch.Generator().manual_seed(4)
     batches = [torch.unique(torch.randint(0, 2**20, (n,), generator=g)) for n in (3_000, 5_000, 9_000)]
 
-    def run(usable):
+    def run(usable, device="cpu"):
         monkeypatch.setattr(probe_cpu, "usable", usable)
-        index, slots, out = KeyIndex(16), SlotIndex(max_entries=2_000), []
+        index, slots, out = KeyIndex(16, device), SlotIndex(max_entries=2_000, device=device), []
         for keys in batches:
+            keys = keys.to(device)
             out += list(index.lookup_or_insert(keys))
             live = torch.sort(slots.items()[0]).values
             slots.remove(live[: live.numel() // 2])
             fresh = keys[slots.lookup(keys) < 0][:1_000]
-            slots.insert(fresh, torch.arange(fresh.numel()) + 7)
+            slots.insert(fresh, torch.arange(fresh.numel(), device=device) + 7)
             out.append(slots.lookup(keys))
-        return out + [index.keys_by_row()]
+        return [t.cpu() for t in out + [index.keys_by_row()]]
 
-    compiled = run(lambda *t: True)
-    other = run(lambda *t: False)
+    real_usable = probe_cpu.usable
+    compiled = run(real_usable)
+    other = run((lambda *t: False) if device == "cpu" else real_usable, device)
     assert all(torch.equal(a, b) for a, b in zip(compiled, other))
