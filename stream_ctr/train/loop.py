@@ -261,10 +261,13 @@ class Run:
                                             chunk_records=self.cfg.data.chunk_records,
                                             stop_offset=self.train_end))
         if self.cfg.data.read_ahead_chunks:
-            source = ReadAhead(source, self.cfg.data.read_ahead_chunks,
-                               self.cfg.data.decode_threads or auto_decode_threads())
+            source = ReadAhead(source, self.cfg.data.read_ahead_chunks, self.decode_threads())
         self.source = source
         return source
+
+    def decode_threads(self) -> int:
+        """data.decode_threads, or with 0 one per 4 of the cores this process may use."""
+        return self.cfg.data.decode_threads or auto_decode_threads()
 
     def file_share(self, source: FileSource):
         """The records of the file this process trains: all of them (a rank of a
