@@ -13,12 +13,14 @@ hashes. Two operations, each with the same answers on every path:
   a tombstone), and its value beside it. Keys racing for one free slot may
   end up in another order along the sequence than the reference puts them,
   which no lookup can tell apart. A key given twice, or one already present,
-  is outside the contract (the paths differ then); the table must keep a free
-  slot for every key, which the maps ensure by growing first at half load (a
-  full table would make the kernel probe forever).
+  is outside the contract (the paths differ then). The table must keep a free
+  slot for every key, which the maps ensure by growing first at half load; a
+  key that finds none after probing the whole table raises ValueError ("hash
+  map full"), as the CPU loop does, rather than probing forever.
 
 Paths: on CUDA a Triton kernel, one lane per key walking its sequence (the
-inserts claim a slot with an atomic compare-and-swap); elsewhere the torch
+inserts claim a slot with an atomic compare-and-swap, then read back one count
+of keys left without a slot: a host sync); elsewhere the torch
 reference, one gather per probe round for every unresolved key. The rounds
 cost a host sync and about ten launches each, and a batch takes 3-20 of them:
 on an H100 a DeepFM step of 8,192 spent 8 of its 12 ms there while the GPU
@@ -61,7 +63,9 @@ def find_positions_reference(table_keys: torch.Tensor, keys: torch.Tensor, start
     pos = start.clone()
     out = torch.full_like(keys, EMPTY)
     active = torch.arange(keys.numel(), device=keys.device)
-    while active.numel():
+    for _ in range(mask + 1):            # a full table without the key: absent
+        if not active.numel():
+            break
         p = pos[active]
         found = table_keys[p]
         hit = found == keys[active]
@@ -77,7 +81,9 @@ def place_reference(table_keys: torch.Tensor, table_vals: torch.Tensor, keys: to
     mask = table_keys.numel() - 1
     pos = start.clone()
     pending = torch.arange(keys.numel(), device=keys.device)
-    while pending.numel():
+    for _ in range(2 * (mask + 1)):      # each key sees every slot; a lost race repeats one
+        if not pending.numel():
+            break
         p = pos[pending]
         free = table_keys[p] == EMPTY
         cand, cand_pos = pending[free], p[free]
@@ -88,6 +94,8 @@ def place_reference(table_keys: torch.Tensor, table_vals: torch.Tensor, keys: to
         table_vals[cand_pos[won]] = vals[cand[won]]
         pending = torch.cat([pending[~free], cand[~won]])
         pos[pending] = (pos[pending] + 1) & mask
+    if pending.numel():
+        raise ValueError("hash map full: no free slot")
 
 
 def find_positions_triton(table_keys: torch.Tensor, keys: torch.Tensor, start: torch.Tensor,
@@ -110,9 +118,12 @@ def place_triton(table_keys: torch.Tensor, table_vals: torch.Tensor, keys: torch
     _check(table_keys, keys, start, table_vals)
     n = keys.numel()
     if n:
+        unplaced = torch.zeros(1, dtype=torch.int32, device=keys.device)
         _kernels()["place"][(triton.cdiv(n, _BLOCK),)](
             table_keys, table_vals, keys.contiguous(), vals.to(table_vals.dtype).contiguous(),
-            start.contiguous(), n, table_keys.numel() - 1, BLOCK=_BLOCK)
+            start.contiguous(), unplaced, n, table_keys.numel() - 1, BLOCK=_BLOCK)
+        if int(unplaced.item()):           # a host sync; the maps' inserts sync anyway
+            raise ValueError("hash map full: no free slot")
 
 
 def _check(table_keys: torch.Tensor, keys: torch.Tensor, start: torch.Tensor,
@@ -137,8 +148,8 @@ def _find_kernel(table_keys_ptr, table_vals_ptr, keys_ptr, start_ptr, out_ptr, n
     pos = tl.load(start_ptr + offs, mask=live, other=0) & mask     # never outside the table
     out = tl.full((BLOCK,), -1, tl.int64)
     active = live
-    # A lane's walk ends at its key or at a free slot; the table is at most half full,
-    # so every walk ends.
+    probes = tl.zeros((BLOCK,), tl.int64)
+    # A lane's walk ends at its key, at a free slot, or after the whole table (absent).
     while tl.max(active.to(tl.int32), axis=0) > 0:
         slot = tl.load(table_keys_ptr + pos, mask=active, other=-1)
         hit = active & (slot == key)
@@ -147,19 +158,22 @@ def _find_kernel(table_keys_ptr, table_vals_ptr, keys_ptr, start_ptr, out_ptr, n
             out = tl.where(hit, val, out)
         else:
             out = tl.where(hit, pos, out)
-        active = active & (slot != key) & (slot != -1)
+        probes += 1
+        active = active & (slot != key) & (slot != -1) & (probes <= mask)
         pos = tl.where(active, (pos + 1) & mask, pos)
     tl.store(out_ptr + offs, out, mask=live)
 
 
-def _place_kernel(table_keys_ptr, table_vals_ptr, keys_ptr, vals_ptr, start_ptr, n, mask,
-                  BLOCK: tl.constexpr):
+def _place_kernel(table_keys_ptr, table_vals_ptr, keys_ptr, vals_ptr, start_ptr, unplaced_ptr,
+                  n, mask, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     key = tl.load(keys_ptr + offs, mask=live, other=0)
     val = tl.load(vals_ptr + offs, mask=live, other=0)
     pos = tl.load(start_ptr + offs, mask=live, other=0) & mask
     active = live
+    probes = tl.zeros((BLOCK,), tl.int64)
+    unplaced = offs < 0                     # all False
     while tl.max(active.to(tl.int32), axis=0) > 0:
         # Lanes that are done compare against a value no slot holds: their CAS writes
         # nothing (atomic_cas takes no mask).
@@ -167,8 +181,13 @@ def _place_kernel(table_keys_ptr, table_vals_ptr, keys_ptr, vals_ptr, start_ptr,
         old = tl.atomic_cas(table_keys_ptr + pos, cmp, tl.where(active, key, -3))
         won = active & (old == -1)
         tl.store(table_vals_ptr + pos, val, mask=won)
+        probes += 1
         active = active & (old != -1)
+        full = active & (probes > mask)     # saw every slot taken: no room (the caller raises)
+        unplaced = unplaced | full
+        active = active & ~full
         pos = tl.where(active, (pos + 1) & mask, pos)
+    tl.atomic_add(unplaced_ptr, tl.sum(unplaced.to(tl.int32), axis=0))
 
 
 @cache

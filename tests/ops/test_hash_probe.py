@@ -105,3 +105,22 @@ def test_bad_tables_are_refused_with_the_reason(triton_device):
     with pytest.raises(ValueError, match="one shape"):
         hash_probe.place_triton(torch.full((16,), -1, device=triton_device),
                                 torch.full((8,), -1, device=triton_device), keys, keys, keys)
+
+
+def test_a_full_table_answers_absent_and_refuses_an_insert(triton_device, monkeypatch):
+    """No free slot anywhere: a lookup of an absent key ends (-1) after the whole table,
+    and an insert raises as the CPU loop does instead of probing forever."""
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    d = triton_device
+    keys = torch.arange(16, dtype=torch.int64) * 7 + 1
+    tk, tv = torch.full((16,), -1, dtype=torch.int64), torch.full((16,), -1, dtype=torch.int64)
+    probe_cpu.place(tk, tv, keys, keys, _slot_hash(keys, 15))
+    absent = torch.tensor([5, 2**40], dtype=torch.int64)
+    start = _slot_hash(absent, 15)
+    assert hash_probe.find_positions_reference(tk, absent, start).tolist() == [-1, -1]
+    assert hash_probe.find_positions_triton(tk.to(d), absent.to(d), start.to(d)).tolist() == [-1, -1]
+    for place in (hash_probe.place_reference, hash_probe.place_triton):
+        with pytest.raises(ValueError, match="hash map full"):
+            place(tk.clone().to(d), tv.clone().to(d), absent.to(d), absent.to(d), start.to(d))
+    with pytest.raises(ValueError, match="hash map full"):
+        probe_cpu.place(tk.clone(), tv.clone(), absent, absent, start)
