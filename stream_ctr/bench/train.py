@@ -98,8 +98,25 @@ def _warm_up(trainer, batch: Batch, new_trainer) -> None:
         torch.cuda.synchronize(trainer.device)
 
 
+def profile_steps(trainer, batches: list[Batch]) -> str:
+    """torch.profiler's table of the ops of `batches`' steps, the 15 heaviest by their own
+    time (on the GPU for CUDA, else on the CPU): where a step's time goes, by op."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = trainer.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for batch in batches:
+            trainer.train_step(batch)
+        if cuda:
+            torch.cuda.synchronize(trainer.device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return (f"profile of {len(batches)} steps at batch {len(batches[0]):,} on {trainer.device} "
+            f"(sorted by {key}):\n"
+            + prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=55))
+
+
 def _worker(source: str, schema: str, model: str, batch_size: int, threads: int, precision: str,
-            read_ahead: int, compile_model: bool, queue: mp.Queue) -> None:
+            read_ahead: int, compile_model: bool, profile: int, queue: mp.Queue) -> None:
     from stream_ctr.train.trainer import Trainer
     from stream_ctr.train.loop import configure_torch
     cfg = _bench_config(model, batch_size, threads, precision, read_ahead, compile_model)
@@ -123,6 +140,8 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
     if trainer.device.type == "cuda":
         torch.cuda.synchronize()
     train_s = time.perf_counter() - t0
+    # After the clock: more steps of the same trainer (its rows are in the store now).
+    profile_text = profile_steps(trainer, batches[:profile]) if profile else None
     del batches
 
     # Including decoding: a fresh model on the file, the way `train` runs; the bare MLP
@@ -165,7 +184,7 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
                "prepare_pct": 100 * phases["prepare"] / train_s,
                "fwd_bwd_pct": 100 * phases["forward_backward"] / train_s,
                "update_pct": 100 * phases["update"] / train_s,
-               "peak_rss_mb": peak_rss_mb})
+               "peak_rss_mb": peak_rss_mb, "profile": profile_text})
 
 
 def _in_process(ctx, target, *args) -> dict:
@@ -181,11 +200,13 @@ def _in_process(ctx, target, *args) -> dict:
 def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
                 data: str | None = None, threads: int = 0, show_progress: bool = True,
                 precision: str = "auto", read_ahead: int = 2, compile_model: bool = False,
-                peer: str | None = None, repeats: int = 1, schema: str = "") -> list[dict]:
+                peer: str | None = None, repeats: int = 1, schema: str = "",
+                profile: int = 0) -> list[dict]:
     """One row per batch size and repeat.  With `peer="deepctr"` each of our runs is
     followed by deepctr-torch's DeepFM on the same rows (bench/peer.py), so the pair is
     measured in the same minute (A, B, A, B with repeats >= 2) and the row carries the
-    ratio: on a shared machine only such ratios compare."""
+    ratio: on a shared machine only such ratios compare. `profile` > 0 profiles that many
+    steps after the decode-excluded pass (`profile_steps`; the row's "profile")."""
     import sys
     from stream_ctr.connectors.synth import write_synthetic_criteo
     if peer not in (None, "deepctr"):
@@ -205,7 +226,7 @@ def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
         for bs in batch_sizes:
             for _ in range(max(1, repeats)):
                 row = _in_process(ctx, _worker, source, schema, model, bs, threads, precision,
-                                  read_ahead, compile_model)
+                                  read_ahead, compile_model, profile)
                 if peer:
                     from stream_ctr.bench.peer import _peer_worker
                     other = _in_process(ctx, _peer_worker, source, schema, bs, threads)

@@ -220,6 +220,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                         "(pip install deepctr-torch==0.3.0 scikit-learn); prints the ratio")
     b.add_argument("--repeats", type=int, default=1,
                    help="runs per batch size (with --peer: ours, peer, ours, peer, ...)")
+    b.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="after the timed pass, profile N more steps (torch.profiler) and print "
+                        "the heaviest ops (GPU time on CUDA, CPU time elsewhere)")
     _add_common(b)
     b.set_defaults(func=cmd_bench_train)
     from stream_ctr.cli.kafka import add_bench_ingest_parser
@@ -412,13 +415,20 @@ def cmd_synth(args: argparse.Namespace) -> int:
 def cmd_bench_train(args: argparse.Namespace) -> int:
     from stream_ctr.bench.train import bench_train, format_table
     from stream_ctr.cli.schema import read_schema_file
+    from stream_ctr.config import ConfigError
+    if args.profile_steps < 0:
+        raise ConfigError(f"bench train: --profile-steps must be >= 0, got {args.profile_steps}")
     rows = bench_train(args.records, [int(x) for x in args.batch_sizes.split(",")],
                        args.model, args.data, args.threads, show_progress=not args.quiet,
                        precision=args.precision, read_ahead=args.read_ahead,
                        compile_model=args.compile, peer=args.peer, repeats=args.repeats,
-                       schema=read_schema_file(args.schema) if args.schema else "")
+                       schema=read_schema_file(args.schema) if args.schema else "",
+                       profile=args.profile_steps)
     if not args.json:
         print(format_table(rows))
+        for row in rows:
+            if row.get("profile"):
+                print(row["profile"])
     emit(args, {"bench": "train", "rows": rows}, f"bench train: {len(rows)} configurations measured")
     return 0
 

@@ -43,3 +43,15 @@ def test_bench_train_on_a_json_log_with_its_schema(capsys, tmp_path):
                  "--batch-sizes", "512", "--threads", "1", "--json", "--quiet"]) == 0
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert row["records"] == 5 * 512 and positive(row["samples_per_s_incl_decode"])
+
+
+def test_bench_train_profiles_steps_after_the_timed_pass(capsys):
+    assert main(["bench", "train", "--records", "3000", "--batch-sizes", "512", "--threads", "1",
+                 "--precision", "fp32", "--profile-steps", "2", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "profile of 2 steps at batch 512 on cpu (sorted by self_cpu_time_total)" in out
+    assert "aten::mm" in out or "aten::addmm" in out          # the MLP's matrix products
+    assert main(["bench", "train", "--records", "3000", "--batch-sizes", "512",
+                 "--profile-steps", "-1", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--profile-steps" in err[0]
