@@ -122,10 +122,12 @@ class ReadAhead:
         self.close()
 
 
-def auto_decode_threads(cpu_count: int | None = None) -> int:
-    """`data.decode_threads = 0`: one decoding thread per 4 cores, 1 to 8. A 2-core
-    machine keeps one (its cores train); a 16-core GPU host gets 4."""
-    if cpu_count is None:
-        cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = cpu_count or 1
-    return max(1, min(8, cores // 4))
+def decode_threads(configured: int, processes_per_host: int = 1) -> int:
+    """The decoding threads of `data.decode_threads = configured`: as configured, or
+    with 0 one per 4 of this process's share of the cores (the ranks of a node share
+    them), 1 to 8. A 2-core machine keeps one (its cores train); a 16-core GPU host
+    running one process gets 4."""
+    if configured:
+        return configured
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cores // max(1, processes_per_host) // 4))

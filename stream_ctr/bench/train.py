@@ -30,7 +30,7 @@ import torch
 from stream_ctr.bench.data import bench_source, decoded_batches
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.files import FileSource, detect_format
-from stream_ctr.connectors.read_ahead import ReadAhead, auto_decode_threads
+from stream_ctr.connectors.read_ahead import ReadAhead, decode_threads
 from stream_ctr.train.batcher import MicroBatcher
 from stream_ctr.config import Config
 
@@ -158,8 +158,9 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
     fmt, p = detect_format(source, schema)
     batcher = MicroBatcher(batch_size)
     src = FileSource(p, fmt, chunk_records=max(65536, batch_size))
-    if cfg.data.read_ahead_chunks:         # decoded on a thread while the steps run, as in train
-        src = ReadAhead(src, cfg.data.read_ahead_chunks, cfg.data.decode_threads or auto_decode_threads())
+    threads_decoding = decode_threads(cfg.data.decode_threads)
+    if cfg.data.read_ahead_chunks:         # decoded on threads while the steps run, as in train
+        src = ReadAhead(src, cfg.data.read_ahead_chunks, threads_decoding)
     with src:
         while not src.exhausted:
             for batch in batcher.add(src.read()[0]):
@@ -173,7 +174,7 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
     queue.put({"model": model, "batch_size": batch_size, "records": records,
                "device": str(trainer.device), "threads": torch.get_num_threads(),
                "precision": trainer.precision, "read_ahead_chunks": cfg.data.read_ahead_chunks,
-               "decode_threads": cfg.data.decode_threads or auto_decode_threads(),
+               "decode_threads": threads_decoding,
                "compile": cfg.train.compile,
                "bare_mlp_fp32_samples_per_s": bare["fp32"], "bare_mlp_bf16_samples_per_s": bare["bf16"],
                "bare_mlp_fp32_before_after": (bare_before["fp32"], bare_after["fp32"]),

@@ -33,7 +33,6 @@ import torch.distributed as dist
 
 from stream_ctr.connectors.batch import Batch, Rejected
 from stream_ctr.connectors.files import FileSource
-from stream_ctr.connectors.read_ahead import auto_decode_threads
 from stream_ctr.connectors.kafka.positions import filter_partitions
 from stream_ctr.distributed import job_checkpoint as jobs
 from stream_ctr.config import Config, ConfigError
@@ -172,10 +171,9 @@ class DistributedRun(Run):
                                       schema=declared_schema(self.cfg))
         return super().open_source()
 
-    def decode_threads(self) -> int:
-        # The ranks of a node share its cores, as they share them for torch's threads.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return self.cfg.data.decode_threads or auto_decode_threads(max(1, cores // self.ctx.local_world_size))
+    @property
+    def processes_per_host(self) -> int:
+        return self.ctx.local_world_size
 
     def file_share(self, source: FileSource):
         return StripedSource(source, self.ctx.rank, self.ctx.world_size) if self.ctx.world_size > 1 else source

@@ -18,7 +18,7 @@ import torch
 
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.files import FileSource, SourceError, count_records, detect_format
-from stream_ctr.connectors.read_ahead import ReadAhead, auto_decode_threads
+from stream_ctr.connectors.read_ahead import ReadAhead, decode_threads
 from stream_ctr.train.heap import keep_heap
 from stream_ctr.train.checkpoint import (CheckpointState, holds_checkpoint, load_checkpoint, resolve_checkpoint,
                                          save_checkpoint)
@@ -261,13 +261,13 @@ class Run:
                                             chunk_records=self.cfg.data.chunk_records,
                                             stop_offset=self.train_end))
         if self.cfg.data.read_ahead_chunks:
-            source = ReadAhead(source, self.cfg.data.read_ahead_chunks, self.decode_threads())
+            source = ReadAhead(source, self.cfg.data.read_ahead_chunks,
+                               decode_threads(self.cfg.data.decode_threads, self.processes_per_host))
         self.source = source
         return source
 
-    def decode_threads(self) -> int:
-        """data.decode_threads, or with 0 one per 4 of the cores this process may use."""
-        return self.cfg.data.decode_threads or auto_decode_threads()
+    # Processes of this job on one host, sharing its cores (a distributed run's ranks).
+    processes_per_host = 1
 
     def file_share(self, source: FileSource):
         """The records of the file this process trains: all of them (a rank of a

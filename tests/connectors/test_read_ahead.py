@@ -120,6 +120,13 @@ def test_sources_without_a_raw_read_stay_on_one_thread():
         assert ahead._pool is None
 
 
-def test_auto_decode_threads_is_one_per_four_cores():
-    from stream_ctr.connectors.read_ahead import auto_decode_threads
-    assert [auto_decode_threads(c) for c in (1, 2, 4, 16, 64)] == [1, 1, 1, 4, 8]
+def test_decode_threads_default_to_one_per_four_cores_of_the_process_share(monkeypatch):
+    import os
+    from stream_ctr.connectors import read_ahead
+    got = {}
+    for cores in (1, 2, 4, 16, 64):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        got[cores] = read_ahead.decode_threads(0)
+    assert got == {1: 1, 2: 1, 4: 1, 16: 4, 64: 8}
+    assert read_ahead.decode_threads(0, processes_per_host=4) == 4      # 64 cores, 4 ranks
+    assert read_ahead.decode_threads(3) == 3                             # as configured
