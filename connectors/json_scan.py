@@ -457,3 +457,32 @@ def int_list_tokens(buf, starts, ends, max_len):
         else:
             k = k0
     return ints, count, tok_row[:k], tok_rank[:k], tok_start[:k], tok_end[:k]
+
+
+def numbers_in_spans(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(value float64, exact, is_int, ok bool) of each span ``buf[starts[i]:ends[i]]`` read
+    as one JSON number, by the scanner's own grammar (so a csv token and a JSON value read
+    alike): `ok` where the whole span is a number (not ``007``, ``+3``, ``3.`` or ``abc``),
+    `exact` where its value is correctly rounded, `is_int` where it has no fraction or
+    exponent."""
+    return _numbers_in_spans(buf, np.asarray(starts, np.int64), np.asarray(ends, np.int64), _POW10)
+
+
+@njit(cache=True, nogil=True)
+def _numbers_in_spans(buf, starts, ends, pow10):
+    n = len(starts)
+    value = np.zeros(n, np.float64)
+    exact = np.zeros(n, np.bool_)
+    is_int = np.zeros(n, np.bool_)
+    ok = np.zeros(n, np.bool_)
+    for r in range(n):
+        if starts[r] >= ends[r]:
+            continue
+        end, v, ex, integer = _number(buf, starts[r], ends[r], pow10)
+        if end == ends[r]:
+            ok[r] = True
+            value[r] = v
+            exact[r] = ex
+            is_int[r] = integer
+    return value, exact, is_int, ok

@@ -21,6 +21,9 @@ own passed with ``--schema``::
     # optional = true          # ... or is its own value (the field's "missing" key, 0.0 dense)
     # embed_dim = 32           # this field's embedding width, a multiple of model.embed_dim
                                # (default: model.embed_dim); any embedded field or cross
+    # integer_ids = true       # a value is hashed as written (3 and 3.0 are two keys); with this,
+                               # a whole number is its integer: 3, 3.0, 3e0 are one key (JSON
+                               # strings and csv text such as 007 stay as written)
 
     [schema.fields.os]
     kind = "categorical"
@@ -130,6 +133,7 @@ class CategoricalField:
     default: Scalar | None = None
     optional: bool = False
     embed_dim: int = 0                      # 0: model.embed_dim; else a multiple of it
+    integer_ids: bool = False               # whole numbers keyed as integers: 3.0 is 3
     kind: str = "categorical"
 
 
@@ -393,6 +397,7 @@ def _check_field(f: Field, where: str) -> None:
     need(default is None or isinstance(default, (str, int, float, bool)),
          f"default must be a scalar, got {default!r}")
     need(isinstance(getattr(f, "optional", False), bool), "optional must be true or false")
+    need(isinstance(getattr(f, "integer_ids", False), bool), "integer_ids must be true or false")
     need(not (getattr(f, "optional", False) and default is not None),
          "give a default or optional = true, not both")
     if isinstance(f, LabelField):

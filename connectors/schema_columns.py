@@ -24,7 +24,8 @@ import numpy as np
 from stream_ctr.connectors import json_scan
 from stream_ctr.connectors.decode import days_from_civil, parse_ints
 from stream_ctr.connectors.decode_tables import criteo_buckets
-from stream_ctr.connectors.hashing import field_salt, hash_ints, hash_spans, hash_strings, mix64, word_view, GOLDEN
+from stream_ctr.connectors.hashing import (field_salt, hash_ints, hash_spans, hash_strings, mix64, padded_buffer,
+                                          word_view, GOLDEN)
 
 try:                                    # the parser the per-line path uses (schema_decode)
     from orjson import loads as _json_loads
@@ -167,11 +168,16 @@ def _text_column(data: bytes, lengths: np.ndarray) -> TextColumn:
     return TextColumn(buf, ends - lengths, ends)
 
 
-def as_text(raw: TextColumn | JsonSpans | list[Any]) -> tuple[TextColumn, np.ndarray]:
+def as_text(raw: TextColumn | JsonSpans | list[Any],
+            rekeyed: np.ndarray | None = None) -> tuple[TextColumn, np.ndarray]:
+    """(TextColumn of each row's token, status). `rekeyed`: rows whose token the caller
+    replaces (whole numbers under `integer_ids`), so their text need not be exact."""
     if isinstance(raw, TextColumn):
         return raw, np.where(raw.missing, MISSING, OK).astype(np.int8)
     if isinstance(raw, JsonSpans):
         fraction = (raw.tag == json_scan.NUMBER) & ~raw.is_int
+        if rekeyed is not None:
+            fraction &= ~rekeyed
         if fraction.any():              # a float's token is its repr (1.50 -> "1.5"), as parsed
             return text_of_values(raw.values())
         status = np.where((raw.tag == json_scan.ABSENT) | (raw.tag == json_scan.NULL), MISSING,
@@ -250,13 +256,56 @@ def labels(raw: TextColumn | list[Any], threshold: float | None) -> tuple[np.nda
     return (values >= threshold).astype(np.float32), status
 
 
-def category_keys(raw: TextColumn | list[Any], field_id: int) -> tuple[np.ndarray, np.ndarray]:
+def category_keys(raw: TextColumn | JsonSpans | list[Any], field_id: int,
+                  integer_ids: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(63-bit keys of the tokens in field `field_id`, status); a missing value has the field's
-    missing key (the key of an empty token)."""
-    col, status = as_text(raw)
-    keys = hash_spans(word_view(col.buf), col.starts, col.ends - col.starts,
-                      field_salt(np.int64(field_id)))
+    missing key (the key of an empty token).
+
+    A token is hashed as written (a JSON float as its repr: 3.0 -> "3.0").  With
+    `integer_ids` a number whose value is whole and below 2**53 in magnitude -- 3, 3.0,
+    3e0, 30e-1, and the same csv text -- is hashed as that integer's decimal text ("3"),
+    so a log that writes one id both ways (pandas turns an integer column with gaps into
+    floats) keeps one key for it.  JSON strings, and csv text that is not a JSON-style
+    number (007, +3, abc), stay as written."""
+    whole, ints = whole_numbers(raw) if integer_ids else (None, None)
+    col, status = as_text(raw, rekeyed=whole)
+    salt = field_salt(np.int64(field_id))
+    keys = hash_spans(word_view(col.buf), col.starts, col.ends - col.starts, salt)
+    if whole is not None and whole.any():
+        keys[whole] = integer_text_keys(ints[whole], salt)
     return keys, status
+
+
+_MAX_WHOLE = float(1 << 53)
+
+
+def whole_numbers(raw: TextColumn | JsonSpans | list[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(rows bool [n], int64 values [n]): the rows holding a number (not a string) whose
+    exact value is a whole number of magnitude below 2**53 and whose text is not already
+    that integer's (3.0, 3e0, -0; not 3), and those integers."""
+    if isinstance(raw, (JsonSpans, TextColumn)):
+        if isinstance(raw, JsonSpans):
+            number, exact, is_int = raw.number, (raw.tag == json_scan.NUMBER) & raw.exact, raw.is_int
+        else:
+            number, exact, is_int, ok = json_scan.numbers_in_spans(raw.buf, raw.starts, raw.ends)
+            exact &= ok
+        # An integer's text is its own, but for -0 (JSON allows it; its value is 0).
+        written = is_int & ~((number == 0) & (raw.ends - raw.starts != 1))
+    else:       # Python values (the per-line parser's, or a declared default): ints are exact
+        number = np.array([float(v) if type(v) in (int, float) else 0.0 for v in raw], np.float64)
+        exact = np.array([type(v) is float for v in raw], bool)
+        written = np.zeros(len(raw), bool)
+    with np.errstate(invalid="ignore"):
+        whole = exact & ~written & (np.abs(number) < _MAX_WHOLE) & (number == np.floor(number))
+    return whole, np.where(whole, number, 0.0).astype(np.int64)
+
+
+def integer_text_keys(values: np.ndarray, salt: np.ndarray) -> np.ndarray:
+    """Keys of int64 `values` hashed as their decimal text, as `hash_strings` would."""
+    text = values.astype("S20")                     # b"3", b"-12": at most 20 bytes
+    starts = np.arange(len(values), dtype=np.int64) * 20
+    lengths = np.char.str_len(text).astype(np.int64)
+    return hash_spans(word_view(padded_buffer(text.tobytes())), starts, lengths, salt)
 
 
 def token_key(value: Any, field_id: int) -> np.int64:

@@ -379,7 +379,7 @@ def _convert(schema: Schema, raw_of: Callable[[str], Any], m: int) -> _Converted
             out.event_time_ms[:] = values
         elif isinstance(f, CategoricalField):
             fid = key_index[f.name]
-            values, status = _with_default(f, raw, lambda r: col.category_keys(r, fid))
+            values, status = _with_default(f, raw, lambda r: col.category_keys(r, fid, f.integer_ids))
             if f.optional:
                 status[status == col.MISSING] = col.OK    # the key of an empty token: the missing key
             out.keys[:, fid] = values

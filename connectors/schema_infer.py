@@ -275,12 +275,14 @@ def _guess_one(name: str, path: str, leaf: _Leaf, n: int, have_time: bool) -> tu
         if distinct >= ID_UNIQUE_SHARE * len(values) and len(values) >= 20:
             return IgnoreField(name, path), (f"{distinct:,} distinct ids of {len(values):,}: unique per "
                                              "record, it teaches nothing")
-        as_floats = ("; WARNING: written as floats (e.g. 3.0), and a value is hashed as written, so a "
-                     "record or request that writes 3 gets another key than 3.0: write ids one way"
-                     if "float" in kinds else "")
-        return (CategoricalField(name, path, optional=optional),
+        # A value is hashed as written: ids seen as floats (3.0) would key apart from a
+        # record or request that writes 3, unless keyed as integers.
+        as_floats = "float" in kinds
+        return (CategoricalField(name, path, optional=optional, integer_ids=as_floats),
                 f"whole numbers {lo:.0f}..{hi:.0f}, {distinct:,} distinct, named like an id: categorical "
-                f"(an id's number has no order){as_floats}{missing_note}")
+                f"(an id's number has no order)"
+                + ("; written as floats (e.g. 3.0): integer_ids = true keys 3.0 and 3 alike"
+                   if as_floats else "") + missing_note)
     if kinds == {"int"} and distinct <= MAX_CATEGORICAL_INTS:
         return (CategoricalField(name, path, optional=optional),
                 f"integers {lo:.0f}..{hi:.0f}, {distinct} distinct: categorical{missing_note}")

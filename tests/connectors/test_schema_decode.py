@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from stream_ctr.connectors.hashing import hash_ints, hash_strings
-from stream_ctr.connectors.schema import parse_schema
+from stream_ctr.connectors.schema import SchemaError, parse_schema
 from stream_ctr.connectors.schema_decode import decode_records
 
 JSON_SCHEMA = parse_schema("""
@@ -165,6 +165,50 @@ def test_non_ascii_tokens_hash_as_utf8():
                      "kind='categorical'\n")
     b, _ = decode_records(_lines({"y": 1, "a": "café"}, {"y": 0, "a": "x"}), s, "p", 0)
     assert b.keys[:, 0].tolist() == hash_strings(["café", "x"], 0).tolist()
+
+
+def _id_schema(encoding: str, integer_ids: bool) -> object:
+    columns = 'columns = ["y", "ad"]\n' if encoding == "csv" else ""
+    return parse_schema(f"[schema]\nencoding='{encoding}'\n{columns}[schema.fields.y]\nkind='label'\n"
+                        f"[schema.fields.ad]\nkind='categorical'\ndefault=3.0\n"
+                        f"integer_ids={'true' if integer_ids else 'false'}\n")
+
+
+# JSON: 3 written eight ways (the last one on a line with an escape, which the per-line
+# parser decodes), then the values that stay as written.
+ID_LINES = (b'{"y":1,"ad":3}\n{"y":0,"ad":3.0}\n{"y":0,"ad":3e0}\n{"y":0,"ad":30e-1}\n'
+            b'{"y":0,"ad":"3"}\n{"y":0,"ad":3.000}\n{"y":1}\n{"y":0,"ad":3.0,"z":"a\\n"}\n'
+            b'{"y":1,"ad":3.5}\n{"y":1,"ad":"3.0"}\n{"y":0,"ad":-0.0}\n{"y":0,"ad":12345678901234567}\n')
+
+
+def test_integer_ids_key_a_whole_number_as_its_integer_however_written():
+    b, rejected = decode_records(ID_LINES, _id_schema("json", True), "p", 0)
+    assert rejected == []
+    three, = hash_strings(["3"], 0)
+    assert b.keys[:8, 0].tolist() == [three] * 8
+    # not whole, a string, -0 (the integer 0), beyond 2**53 (kept as written)
+    assert b.keys[8:, 0].tolist() == hash_strings(["3.5", "3.0", "0", "12345678901234567"], 0).tolist()
+    # Without the option a value hashes as written: 3.0 (and 3e0: its repr) is another key.
+    plain, _ = decode_records(ID_LINES, _id_schema("json", False), "p", 0)
+    assert plain.keys[:2, 0].tolist() == hash_strings(["3", "3.0"], 0).tolist()
+    assert plain.keys[10, 0] == hash_strings(["-0.0"], 0)[0]
+
+
+def test_integer_ids_read_csv_text_as_json_numbers():
+    data = b"1,3\n0,3.0\n0,3e0\n0,\"3.00\"\n0,\n1,007\n1,+3\n1,3.5\n1,abc\n"
+    b, rejected = decode_records(data, _id_schema("csv", True), "p", 0)
+    assert rejected == []
+    three, = hash_strings(["3"], 0)
+    assert b.keys[:5, 0].tolist() == [three] * 5       # the empty one takes the default 3.0
+    assert b.keys[5:, 0].tolist() == hash_strings(["007", "+3", "3.5", "abc"], 0).tolist()
+    bj, _ = decode_records(ID_LINES, _id_schema("json", True), "p", 0)
+    assert bj.keys[1, 0] == b.keys[1, 0]               # csv 3.0 and JSON 3.0: one key
+
+
+def test_integer_ids_must_be_a_boolean():
+    with pytest.raises(SchemaError, match="integer_ids must be true or false"):
+        parse_schema("[schema]\nencoding='json'\n[schema.fields.y]\nkind='label'\n"
+                     "[schema.fields.ad]\nkind='categorical'\ninteger_ids='yes'\n")
 
 
 CSV_SCHEMA = parse_schema("""

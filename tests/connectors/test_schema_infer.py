@@ -41,9 +41,10 @@ def test_numeric_transform_by_range(tmp_path, values, transform):
     assert (field.kind if transform == "ignore" else field.transform) == transform
 
 
-def test_whole_numbers_named_like_ids_are_categorical_and_floats_among_them_flagged(tmp_path):
+def test_whole_numbers_named_like_ids_are_categorical_and_floats_among_them_keyed_as_integers(tmp_path):
     """site_id 1..400 would be standardized as a quantity by its range; under an id-like
-    name it is categorical. Written as 3.0 it hashes apart from 3: the comment says so."""
+    name it is categorical. Written as 3.0 it would hash apart from 3: the inferred field
+    keys whole numbers as integers, and the comment says why."""
     path = tmp_path / "log.jsonl"
     path.write_text("".join(json.dumps({
         "clicked": i % 2, "site_id": 1 + (i * 7) % 400, "adId": float(1 + i % 300),
@@ -52,7 +53,8 @@ def test_whole_numbers_named_like_ids_are_categorical_and_floats_among_them_flag
     kinds = {f.name: f for f in schema.fields}
     assert kinds["site_id"] == CategoricalField("site_id", "site_id")
     assert "named like an id" in comments["site_id"] and "WARNING" not in comments["site_id"]
-    assert isinstance(kinds["adId"], CategoricalField) and "written as floats" in comments["adId"]
+    assert kinds["adId"] == CategoricalField("adId", "adId", integer_ids=True)
+    assert "written as floats" in comments["adId"] and "integer_ids = true" in comments["adId"]
     assert isinstance(kinds["bid"], NumericField)                 # a price, not an id
     assert isinstance(kinds["request_id"], IgnoreField) and "unique per record" in comments["request_id"]
 
