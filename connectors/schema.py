@@ -52,6 +52,7 @@ own passed with ``--schema``::
     pooling = "mean"           # sum | mean of the elements' embeddings (an empty list pools to 0)
     # separator = "|"          # csv only (default "|"); an empty csv field is an empty list
     # optional = true          # JSON: a missing (absent or null) list is an empty one
+    # integer_ids = true       # each element as a categorical field's with integer_ids
 
     [schema.fields.request_id]
     kind = "ignore"            # read nowhere; documents that the field is left out on purpose
@@ -186,6 +187,7 @@ class MultiHotField:
     separator: str = "|"                    # csv: the element separator inside the field
     optional: bool = False                  # JSON: missing (absent/null) is an empty list
     embed_dim: int = 0
+    integer_ids: bool = False               # as a categorical field's, for each element
     kind: str = "multi_hot"
 
 

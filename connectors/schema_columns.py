@@ -415,23 +415,27 @@ def time_parts_ms(event_ms: np.ndarray, part: str, field_id: int) -> np.ndarray:
 
 
 def multi_hot_keys(raw: TextColumn | JsonSpans | list[Any], field_id: int, max_len: int,
-                   separator: str = "|") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   separator: str = "|", integer_ids: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(keys int64 [N], offsets int64 [m+1], status) of a list column: each row's first `max_len`
     elements, each hashed as a categorical value of field `field_id` (its token: a string's
     UTF-8, a number's JSON text, true/false).  A missing list (absent, null) is empty with
     status MISSING; a value that is not a list, or a list holding anything but strings,
-    numbers and booleans, is BAD."""
+    numbers and booleans, is BAD.  `integer_ids`: whole-number elements keyed as
+    integers, as `category_keys` does."""
     salt = field_salt(np.int64(field_id))
     if isinstance(raw, JsonSpans):
-        return _multi_hot_of_spans(raw, salt, max_len)
+        return _multi_hot_of_spans(raw, salt, max_len, integer_ids)
     lists, status = _lists(raw, separator)
-    keys, offsets = _keys_of_lists(lists, salt, max_len, status)
+    keys, offsets = _keys_of_lists(lists, salt, max_len, status, integer_ids,
+                                   csv_text=isinstance(raw, TextColumn))
     return keys, offsets, status
 
 
-def _keys_of_lists(lists: list[list[Any]], salt: np.ndarray, max_len: int, status: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    """Keys and offsets of Python lists (rows with a bad element get status BAD)."""
+def _keys_of_lists(lists: list[list[Any]], salt: np.ndarray, max_len: int, status: np.ndarray,
+                   integer_ids: bool = False, csv_text: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and offsets of Python lists (rows with a bad element get status BAD).
+    `csv_text`: the elements are csv text, whose numbers `integer_ids` reads from it."""
     lengths = np.fromiter(map(len, lists), np.int64, len(lists))
     if len(lengths) and lengths.max() > max_len:
         lists = [v[:max_len] for v in lists]
@@ -446,10 +450,14 @@ def _keys_of_lists(lists: list[list[Any]], salt: np.ndarray, max_len: int, statu
     if len(bad_elements):                     # null, a list or an object inside the list
         status[np.searchsorted(offsets, bad_elements, side="right") - 1] = BAD
     keys = hash_spans(word_view(tokens.buf), tokens.starts, tokens.ends - tokens.starts, salt)
+    if integer_ids:
+        whole, ints = whole_numbers(tokens if csv_text else flat)
+        if whole.any():
+            keys[whole] = integer_text_keys(ints[whole], salt)
     return keys, offsets
 
 
-def _multi_hot_of_spans(raw: JsonSpans, salt: np.ndarray, max_len: int
+def _multi_hot_of_spans(raw: JsonSpans, salt: np.ndarray, max_len: int, integer_ids: bool = False
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`multi_hot_keys` of scanned JSON: arrays of non-negative integers (the common id
     list) are cut into their digit runs by a compiled pass and hashed in place; the other arrays
@@ -468,7 +476,7 @@ def _multi_hot_of_spans(raw: JsonSpans, salt: np.ndarray, max_len: int
         spans = [raw.buf[s:e].tobytes() for s, e in zip(raw.starts[other].tolist(), raw.ends[other].tolist())]
         lists = _json_loads(b"[" + b",".join(spans) + b"]")
     other_status = status[other]
-    other_keys, other_offsets = _keys_of_lists(lists, salt, max_len, other_status)
+    other_keys, other_offsets = _keys_of_lists(lists, salt, max_len, other_status, integer_ids)
     status[other] = other_status
     lengths = np.zeros(n, np.int64)
     lengths[arrays[ints]] = count[ints]

@@ -402,7 +402,8 @@ def _convert(schema: Schema, raw_of: Callable[[str], Any], m: int) -> _Converted
                 out.dense[:, dense_index[f.name]] = dense
         elif isinstance(f, MultiHotField):
             j = multi_index[f.name]
-            values, offsets, status = col.multi_hot_keys(raw, schema.n_keys + j, f.max_len, f.separator)
+            values, offsets, status = col.multi_hot_keys(raw, schema.n_keys + j, f.max_len, f.separator,
+                                                          f.integer_ids)
             if f.optional:
                 status[status == col.MISSING] = col.OK    # a missing list is an empty one
             out.jagged[j] = Jagged(values, offsets, f.pooling)

@@ -321,10 +321,17 @@ def _guess_list(name: str, path: str, values: list[Any], optional: bool, kinds: 
     if element_kinds - {"str", "int", "float", "bool"}:
         return IgnoreField(name, path), f"lists of {spread} holding {', '.join(sorted(element_kinds))}"
     max_len = max(int(lengths.max()), 1)
-    return (MultiHotField(name, path, max_len=max_len, pooling="mean", optional=optional),
+    # Whole numbers written as floats (3.0): keyed as integers, as an id field's would be.
+    whole_floats = "float" in element_kinds and all(
+        float(x).is_integer() for v in values for x in v if _kind_of(x) == "float")
+    return (MultiHotField(name, path, max_len=max_len, pooling="mean", optional=optional,
+                          integer_ids=whole_floats),
             f"lists of {spread}, {'/'.join(sorted(element_kinds)) or 'no'} elements: multi-hot, each "
-            f"element hashed as a categorical value;\nmax_len = the longest in the sample (a longer list "
-            f"keeps its first {max_len}); mean pooling{missing_note}")
+            f"element hashed as a categorical value"
+            + ("; whole numbers written as floats (e.g. 3.0): integer_ids = true keys 3.0 and 3 alike"
+               if whole_floats else "")
+            + f";\nmax_len = the longest in the sample (a longer list keeps its first {max_len}); "
+            f"mean pooling{missing_note}")
 
 
 def _kind_of(v: Any) -> str:

@@ -205,6 +205,28 @@ def test_integer_ids_read_csv_text_as_json_numbers():
     assert bj.keys[1, 0] == b.keys[1, 0]               # csv 3.0 and JSON 3.0: one key
 
 
+@pytest.mark.parametrize("encoding", ["json", "csv"])
+def test_integer_ids_on_multi_hot_elements(encoding):
+    columns = 'columns = ["y", "ad", "h"]\n' if encoding == "csv" else ""
+    spec = (f"[schema]\nencoding='{encoding}'\n{columns}[schema.fields.y]\nkind='label'\n"
+            "[schema.fields.ad]\nkind='categorical'\n[schema.fields.h]\nkind='multi_hot'\nmax_len=4\n")
+    if encoding == "json":
+        data = (b'{"y":1,"ad":1,"h":[3,4]}\n{"y":0,"ad":1,"h":[3.0,4e0,"3",3.5]}\n'
+                b'{"y":0,"ad":1,"h":[-0.0,"x"]}\n')
+    else:
+        data = b"1,1,3|4\n0,1,3.0|4e0|007|3.5\n0,1,-0.0|x\n"
+    third = "3" if encoding == "json" else "007"       # a JSON string "3"; csv text 007
+    for integer_ids, expected in ((True, [["3", "4"], ["3", "4", third, "3.5"], ["0", "x"]]),
+                                  (False, [["3", "4"], ["3.0", "4.0" if encoding == "json" else "4e0",
+                                                        third, "3.5"], ["-0.0", "x"]])):
+        schema = parse_schema(spec + f"integer_ids={'true' if integer_ids else 'false'}\n")
+        b, rejected = decode_records(data, schema, "p", 0)
+        assert rejected == []
+        jagged = b.jagged[0]
+        got = [jagged.values[jagged.offsets[i]:jagged.offsets[i + 1]].tolist() for i in range(3)]
+        assert got == [hash_strings(row, 1).tolist() for row in expected], integer_ids
+
+
 def test_integer_ids_must_be_a_boolean():
     with pytest.raises(SchemaError, match="integer_ids must be true or false"):
         parse_schema("[schema]\nencoding='json'\n[schema.fields.y]\nkind='label'\n"

@@ -94,6 +94,17 @@ def test_lists_of_scalars_are_multi_hot_and_lists_of_objects_ignored(tmp_path):
     assert isinstance(kinds["objs"], IgnoreField)
 
 
+def test_lists_of_whole_floats_are_keyed_as_integers(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join(json.dumps({"y": i % 2, "a": f"x{i % 5}", "hist": [float(i % 7), 3.0],
+                                           "prices": [0.5 + i % 3]}) for i in range(60)))
+    schema, comments = infer_schema(path, "json")
+    kinds = {f.name: f for f in schema.fields}
+    assert kinds["hist"] == MultiHotField("hist", "hist", max_len=2, pooling="mean", integer_ids=True)
+    assert "integer_ids = true" in comments["hist"]
+    assert not kinds["prices"].integer_ids and "integer_ids" not in comments["prices"]
+
+
 def test_a_second_label_like_field_is_flagged_when_another_is_named(tmp_path):
     """--label conversion on a log that also has `clicked`: a feature that is an outcome leaks it."""
     path = tmp_path / "log.jsonl"
