@@ -14,6 +14,7 @@ kind = "label"
 
 [schema.fields.user_id]
 kind = "categorical"
+integer_ids = true
 
 [schema.fields.os]
 kind = "categorical"
