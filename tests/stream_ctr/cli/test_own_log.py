@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 CLI = [sys.executable, "-m", "stream_ctr"]
@@ -170,3 +171,46 @@ def test_history_as_multi_hot_beats_the_same_model_with_history_ignored(tmp_path
         auc[name] = summary["test_auc"]
     assert auc["on"] > auc["off"] + 0.004, auc
     assert auc["on"] < summary["test_bayes_auc"]
+
+
+def test_ids_written_as_floats_score_the_same_when_a_request_writes_them_as_integers(ad_log, tmp_path):
+    """pandas writes an integer id column with gaps as floats (3.0). `schema infer` keys such
+    ids as integers (integer_ids), so a model trained on that log scores records that write
+    the same ids as 3 exactly as it scores them written as 3.0."""
+    lines = ad_log.read_text().splitlines()[:6000]
+    records = [json.loads(line) for line in lines]
+    for r in records:
+        r["campaign_id"] = float(int(r["ad_id"][1:]) % 40)    # 3.0, 17.0, ...
+    as_floats = tmp_path / "floats.jsonl"
+    as_floats.write_text("".join(json.dumps(r) + "\n" for r in records))
+    as_ints = tmp_path / "ints.jsonl"
+    as_ints.write_text("".join(json.dumps(r | {"campaign_id": int(r["campaign_id"])}) + "\n"
+                               for r in records))
+    infer = run("schema", "infer", f"json:{as_floats}", "--label", "clicked")
+    assert infer.returncode == 0, infer.stderr
+    assert "[schema.fields.campaign_id]\nkind = \"categorical\"\ninteger_ids = true" in infer.stdout
+    schema = tmp_path / "s.toml"
+    schema.write_text(infer.stdout)
+    run_dir = tmp_path / "run"
+    last_json(run("train", f"json:{as_floats}", "--schema", schema, "--batch-size", "256",
+                  "--run-dir", run_dir, "--json", "--quiet"))
+    bundle = tmp_path / "bundle"
+    assert run("export", run_dir, "--out", bundle, "--quiet").returncode == 0
+    probs = {}
+    for name, path in (("floats", as_floats), ("ints", as_ints)):
+        out = tmp_path / f"{name}.npy"
+        predicted = last_json(run("predict", bundle, f"json:{path}", "--out", out, "--json", "--quiet"))
+        assert predicted["records"] == 6000
+        probs[name] = np.load(out)
+    assert np.array_equal(probs["floats"], probs["ints"])
+    # Without integer_ids the int-written ids are unseen keys: the scores move.
+    plain = tmp_path / "plain.toml"
+    plain.write_text(infer.stdout.replace("integer_ids = true\n", ""))
+    run_dir2 = tmp_path / "run2"
+    last_json(run("train", f"json:{as_floats}", "--schema", plain, "--batch-size", "256",
+                  "--run-dir", run_dir2, "--json", "--quiet"))
+    bundle2 = tmp_path / "bundle2"
+    assert run("export", run_dir2, "--out", bundle2, "--quiet").returncode == 0
+    for name, path in (("floats", as_floats), ("ints", as_ints)):
+        last_json(run("predict", bundle2, f"json:{path}", "--out", tmp_path / f"p2{name}.npy", "--json", "--quiet"))
+    assert not np.array_equal(np.load(tmp_path / "p2floats.npy"), np.load(tmp_path / "p2ints.npy"))
