@@ -6,6 +6,6 @@
     job_checkpoint  one job manifest naming every rank's shard
     run             a rank's training run (and `--distributed` on one machine)
 
-May import train, store, telemetry, models, config, connectors and ops; only
-cli and bench import it.
+May import train, serving, store, telemetry, models, config, connectors and ops;
+only cli and bench import it.
 """

@@ -42,6 +42,7 @@ from stream_ctr.distributed.merge import DenseMerger
 from stream_ctr.train.evaluation import accuracy
 from stream_ctr.telemetry.progress import Progress
 from stream_ctr.distributed.sharded_store import ShardedEmbeddingStore
+from stream_ctr.serving.export import checkpoint_record
 from stream_ctr.train.batches import StopSignal
 from stream_ctr.train.run_dir import choose_run_dir, point_latest
 from stream_ctr.train.loop import Run, RunSummary
@@ -158,6 +159,8 @@ class DistributedRun(Run):
         self._feed = None
         self._ready: list[Batch] = []      # stream batches cut but not yet trained
         self.in_hand: Batch | None = None   # the batch of the step the ranks are agreeing on
+        if job is not None:        # a resumed job publishes the model it resumed from first
+            self.publish_job(job.path)
         self._done = False
 
     # -- this rank's share of the data -------------------------------------------------
@@ -355,6 +358,28 @@ class DistributedRun(Run):
         self.checkpoint_wanted = False
         if commit and self.stream is not None and self.source is not None:   # None: not joined yet
             self.source.commit(self.positions)
+        self.publish_job(job_dir)
+
+    # -- publishing (--publish; rank 0 holds the publisher) ---------------------------
+
+    def publish(self, tensors: dict, where: Path, state) -> None:
+        """Not per rank: a rank's checkpoint holds its shard of the rows only. The job
+        publishes once its manifest is durable (`publish_job`)."""
+
+    def publish_job(self, job_dir: Path) -> None:
+        """Rank 0: publish the job checkpoint at `job_dir` as one full snapshot (its shards
+        as one table, the dense model every rank holds after the merge). Blocks rank 0
+        while it writes; the other ranks wait at their next collective."""
+        if self.publisher is None:
+            return
+        state = jobs.load_job_as_one(job_dir)
+        self.publisher.publish(state.tensors, checkpoint_record(job_dir, state.step, state.records_trained,
+                                                                state.extra.get("epoch", 0), state.positions),
+                               self.trainer.precision, None)
+
+    def publish_due(self) -> bool:
+        """Whether serving.publish_every_s has passed on rank 0 (a job checkpoint is due)."""
+        return self.publisher is not None and self.publisher.due()
 
     def finish(self, seconds: float) -> RunSummary:
         s = super().finish(seconds)          # the holdout evaluation is collective: all ranks run it
@@ -442,8 +467,8 @@ def train_distributed(cfg: Config, resume: str | None = None,
                 run.in_hand = None if stop.requested else run.next_batch(stop)
                 # Agree: steps are collectives, so either every rank steps or none.
                 anyone_has, anyone_reading, anyone_stops, rebalanced, handover = agree(
-                    [run.in_hand is not None, run.reading, stop.requested, run.checkpoint_wanted,
-                     run.positions_wanted],
+                    [run.in_hand is not None, run.reading, stop.requested,
+                     run.checkpoint_wanted or run.publish_due(), run.positions_wanted],
                     while_waiting=run.keep_polling if run.stream is not None else None)
                 batch, run.in_hand = run.in_hand, None    # a rebalance meanwhile has filtered it
                 if handover:              # a rank got partitions: where did the others leave them?

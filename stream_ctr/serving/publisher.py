@@ -27,6 +27,13 @@ it trained on that its base did not.
 With `--publish kafka://HOST:PORT/TOPIC` the versions are written into
 RUN_DIR/published as above and then sent to the topic (kafka_publish.py).
 
+A distributed job (store.kind = memory) publishes from rank 0 after each job
+checkpoint's manifest is durable: every version is a **full snapshot**, the
+ranks' shards read back from the job checkpoint as one table (`full_only`;
+deltas would need every rank's touched rows on rank 0). The other ranks wait at
+their next collective meanwhile, so a large table wants a long
+`serving.publish_every_s`. Versions of a job carry no freshness stamps.
+
 Costs: each step's unique keys (the trainer's working set, no second unique) kept
 until the next publish (the touched set, compacted when it grows), and a checkpoint + a write of the
 touched rows per publish. One publisher per directory (an flock).
@@ -64,9 +71,12 @@ class Publisher:
     """Publishes a run's model into `root` (a directory) after its checkpoints."""
 
     def __init__(self, root: str | Path, cfg: Config, fmt: RecordFormat | Schema,
-                 sink: "KafkaSink | None" = None) -> None:
-        """`sink`: also send every version to a Kafka topic (kafka_publish.py)."""
-        self.root, self.sink = Path(root), sink
+                 sink: "KafkaSink | None" = None, full_only: bool = False) -> None:
+        """`sink`: also send every version to a Kafka topic (kafka_publish.py); `full_only`:
+        every version a full snapshot (a distributed job's), published only when the
+        checkpoint's records_trained moved."""
+        self.root, self.sink, self.full_only = Path(root), sink, full_only
+        self._published_records: int | None = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._lock = open(self.root / ".publisher.lock", "w")
@@ -127,14 +137,17 @@ class Publisher:
 
     # ---- at a checkpoint -----------------------------------------------------------
     def publish(self, tensors: dict[str, Any], checkpoint: dict[str, Any], precision: str,
-                store: EmbeddingStore) -> PublishInfo | None:
+                store: EmbeddingStore | None) -> PublishInfo | None:
         """Publish the model of the durable checkpoint `checkpoint` (`export.checkpoint_record`)
-        whose tensors are `tensors` and whose rows `store` holds right now. None when
-        nothing was trained since the last version, or when writing failed (said on
-        stderr; training goes on, and the next publish carries these rows too)."""
-        if self._base is not None and not self._touched:
-            return None
+        whose tensors are `tensors` and whose rows `store` holds right now (None with
+        `full_only`: the tensors hold every row). None when nothing was trained since the
+        last version, or when writing failed (said on stderr; training goes on, and the
+        next publish carries these rows too)."""
         self._last_publish = time.monotonic()
+        trained = (checkpoint["records_trained"] != self._published_records if self.full_only
+                   else bool(self._touched))
+        if self._base is not None and not trained:
+            return None
         try:
             info = self._write(tensors, checkpoint, precision, store)
         except (OSError, BundleError, StoreError) as e:
@@ -143,6 +156,7 @@ class Publisher:
             return None
         self._touched, self._touched_count = [], 0
         self._newest_arrival_s = self._newest_event_ms = None
+        self._published_records = checkpoint["records_trained"]
         if self.sink is not None:
             try:
                 self.sink.send(self.root, self.index)
@@ -152,9 +166,10 @@ class Publisher:
         return info
 
     def _write(self, tensors: dict[str, Any], checkpoint: dict[str, Any], precision: str,
-               store: EmbeddingStore) -> PublishInfo:
+               store: EmbeddingStore | None) -> PublishInfo:
         version = 1 + max([self.index.latest if self.index else 0, *version_dirs(self.root)])
-        full = self._base is None or (self.full_every and self._deltas_since_full + 1 >= self.full_every)
+        full = (self.full_only or self._base is None
+                or (self.full_every and self._deltas_since_full + 1 >= self.full_every))
         info = PublishInfo(version, "full" if full else "delta", None if full else self._base, time.time(),
                            self._newest_arrival_s, self._newest_event_ms)
         out = version_dir(self.root, version)
@@ -209,13 +224,18 @@ def open_publisher(cfg: Config, fmt: RecordFormat | Schema) -> Publisher | None:
     """The run's publisher when serving.publish names a directory, else None."""
     if not cfg.serving.publish:
         return None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:      # a rank of a torchrun job
-        raise ConfigError("--publish (serving.publish) needs a single-process run: a distributed "
-                          "job's rows are sharded over its ranks, and publishing them is not built yet")
+    job = int(os.environ.get("WORLD_SIZE", "1")) > 1      # a rank of a torchrun job
+    if job:
+        if cfg.store.kind != "memory":
+            raise ConfigError("--publish (serving.publish) in a distributed job needs store.kind = "
+                              "memory: rank 0 publishes the job checkpoint's shards as one table, and "
+                              "a tiered store's rows stay in each rank's own LMDB")
+        if int(os.environ.get("RANK", "0")) != 0:       # rank 0 publishes the whole job
+            return None
     if is_kafka_target(cfg.serving.publish):            # staged in the run directory, then sent
         sink = KafkaSink(cfg.serving.publish)
-        return Publisher(Path(cfg.train.run_dir) / "published", cfg, fmt, sink)
-    return Publisher(cfg.serving.publish, cfg, fmt)
+        return Publisher(Path(cfg.train.run_dir) / "published", cfg, fmt, sink, full_only=job)
+    return Publisher(cfg.serving.publish, cfg, fmt, full_only=job)
 
 
 __all__ = ["Publisher", "open_publisher"]

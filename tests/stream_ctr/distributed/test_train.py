@@ -211,3 +211,42 @@ def test_cli_launches_ranks_with_torchrun(tmp_path):
     assert summary["records_trained"] == 1024 and summary["world_size"] == 2
     assert summary["steps"] == 4 and summary["merges"] == 2
     assert (tmp_path / "checkpoints" / "LATEST_JOB").exists()
+
+
+def test_a_job_publishes_full_snapshots_that_serve_its_final_checkpoints_export(tmp_path):
+    """--publish in a 2-rank job: rank 0 publishes each job checkpoint's shards as one full
+    snapshot; the newest version scores exactly as an export of the final job checkpoint,
+    and a resumed job publishes the checkpoint it resumed from before it trains."""
+    from stream_ctr.cli.main import main
+    from stream_ctr.serving.bundle import read_bundle
+    from stream_ctr.serving.published import PublishInfo, read_index, version_dirs
+    from stream_ctr.serving.scorer import Scorer
+    from stream_ctr.connectors.decode import decode_lines
+    from stream_ctr.connectors.formats import CRITEO
+    from tests.stream_ctr.serving.test_serve import sample_lines
+    pub = tmp_path / "pub"
+    cfg = job_config(tmp_path / "run", limit_records=4096)
+    cfg["serving"]["publish"] = str(pub)
+    results = values(run_ranks(train_rank, 2, cfg))
+    assert all("error" not in r for r in results), results
+    # 4,096 records, 2 ranks, batches of 128: 16 job steps, checkpoints at 10 and at the end.
+    index = read_index(pub)
+    assert index.latest == 2 and index.full == 2 and index.chain == []
+    kinds = {v: PublishInfo.from_manifest(read_bundle(p).manifest, p).kind for v, p in version_dirs(pub).items()}
+    assert set(kinds.values()) == {"full"} and 2 in kinds
+    job = results[0]["summary"]["checkpoint"]
+    assert main(["export", job, "--out", str(tmp_path / "final"), "--quiet"]) == 0
+    batch = decode_lines(b"\n".join(sample_lines()[:2000]) + b"\n", CRITEO, "t", 0)[0]
+    published, final = read_bundle(version_dirs(pub)[2]), read_bundle(tmp_path / "final")
+    assert len(published.keys) == len(final.keys)
+    assert np.array_equal(Scorer(published).score(batch), Scorer(final).score(batch))
+    # Resumed for 4,096 more records (job steps 17-32): version 3 is the job it resumed from,
+    # published before it trains, then the checkpoints at steps 20 and 30 and the end.
+    again = values(run_ranks(train_rank, 2, cfg, job))
+    assert all("error" not in r for r in again), again
+    assert read_index(pub).latest == 6 and sorted(version_dirs(pub)) == [5, 6]
+    assert [read_bundle(version_dirs(pub)[v]).manifest["checkpoint"]["step"] for v in (5, 6)] == [30, 32]
+    job2 = again[0]["summary"]["checkpoint"]
+    assert main(["export", job2, "--out", str(tmp_path / "final2"), "--quiet"]) == 0
+    assert np.array_equal(Scorer(read_bundle(version_dirs(pub)[6])).score(batch),
+                          Scorer(read_bundle(tmp_path / "final2")).score(batch))

@@ -297,9 +297,13 @@ def test_publish_refuses_what_cannot_work_with_clear_messages(tmp_path, monkeypa
     with pytest.raises(ConfigError, match="cannot use it as the publish directory"):
         open_publisher(cfg, CRITEO)
     cfg.serving.publish = str(tmp_path / "pub")
-    monkeypatch.setenv("WORLD_SIZE", "2")           # a rank of a torchrun job
-    with pytest.raises(ConfigError, match="needs a single-process run"):
-        open_publisher(cfg, CRITEO)
+    monkeypatch.setenv("WORLD_SIZE", "2")           # a rank of a torchrun job ...
+    monkeypatch.setenv("RANK", "1")
+    assert open_publisher(cfg, CRITEO) is None      # ... publishes from rank 0 only
+    tiered = small_config(tmp_path / "t", tiered=True)
+    tiered.serving.publish = str(tmp_path / "pub")
+    with pytest.raises(ConfigError, match="in a distributed job needs store.kind = memory"):
+        open_publisher(tiered, CRITEO)
     cfg.serving.publish_every_s = -1
     with pytest.raises(ConfigError, match="serving.publish_every_s must be >= 0"):
         validate(cfg)
