@@ -31,8 +31,8 @@ A distributed job (store.kind = memory) publishes from rank 0 after each job
 checkpoint's manifest is durable: every version is a **full snapshot**, the
 ranks' shards read back from the job checkpoint as one table (`full_only`;
 deltas would need every rank's touched rows on rank 0). The other ranks wait at
-their next collective meanwhile, so a large table wants a long
-`serving.publish_every_s`. Versions of a job carry no freshness stamps.
+their next collective meanwhile (at most distributed.timeout_s), so a large table
+wants a long `serving.publish_every_s`. Versions of a job carry no freshness stamps.
 
 Costs: each step's unique keys (the trainer's working set, no second unique) kept
 until the next publish (the touched set, compacted when it grows), and a checkpoint + a write of the
