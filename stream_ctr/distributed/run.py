@@ -159,6 +159,10 @@ class DistributedRun(Run):
         self._feed = None
         self._ready: list[Batch] = []      # stream batches cut but not yet trained
         self.in_hand: Batch | None = None   # the batch of the step the ranks are agreeing on
+        # --publish: when this rank read its newest trained batch (wall s) and its newest
+        # event time (ms, -1: none), since the last job checkpoint.
+        self._read_at_s = 0.0
+        self._newest: tuple[float | None, int] = (None, -1)
         if job is not None:        # a resumed job publishes the model it resumed from first
             self.publish_job(job.path)
         self._done = False
@@ -203,6 +207,12 @@ class DistributedRun(Run):
 
     def next_batch(self, stop: StopSignal) -> Batch | None:
         """This rank's next batch (across epochs), or None when it has none now."""
+        batch = self._read_batch(stop)
+        if batch is not None:
+            self._read_at_s = time.time()     # its freshness stamp, should it train
+        return batch
+
+    def _read_batch(self, stop: StopSignal) -> Batch | None:
         if self.stream is not None:
             return self._next_stream_batch()
         while not self._done:
@@ -314,6 +324,9 @@ class DistributedRun(Run):
             self.store.settle()           # a skipped (non-finite) step still answers the owners
             self.record_and_report(batch, result)
             trained = 0 if bool(result.skipped) else len(batch)   # its dense state did not move
+            if trained:
+                self._newest = (max(self._newest[0] or 0.0, self._read_at_s),
+                                max(self._newest[1], int(batch.event_time_ms.max())))
         self.global_step += 1
         self.trainer.step = self.global_step     # what the rank checkpoints: the same everywhere
         self.merger.after_step(trained)
@@ -358,6 +371,14 @@ class DistributedRun(Run):
         self.checkpoint_wanted = False
         if commit and self.stream is not None and self.source is not None:   # None: not joined yet
             self.source.commit(self.positions)
+        if self.cfg.serving.publish:        # every rank's freshness stamps, to rank 0's publisher
+            stamps: list = [None] * self.ctx.world_size
+            with collective("gathering the ranks' freshness stamps"):
+                dist.all_gather_object(stamps, self._newest)
+            self._newest = (None, -1)
+            if self.publisher is not None:
+                for arrived_s, event_ms in stamps:
+                    self.publisher.note_newest(arrived_s, event_ms)
         self.publish_job(job_dir)
 
     # -- publishing (--publish; rank 0 holds the publisher) ---------------------------

@@ -32,7 +32,8 @@ checkpoint's manifest is durable: every version is a **full snapshot**, the
 ranks' shards read back from the job checkpoint as one table (`full_only`;
 deltas would need every rank's touched rows on rank 0). The other ranks wait at
 their next collective meanwhile (at most distributed.timeout_s), so a large table
-wants a long `serving.publish_every_s`. Versions of a job carry no freshness stamps.
+wants a long `serving.publish_every_s`. A version's freshness stamps are the newest of
+every rank's (each rank stamps a batch when it has read it), gathered at the checkpoint.
 
 Costs: each step's unique keys (the trainer's working set, no second unique) kept
 until the next publish (the touched set, compacted when it grows), and a checkpoint + a write of the
@@ -126,10 +127,16 @@ class Publisher:
         if self._touched_count > COMPACT_KEYS and len(self._touched) > 1:
             self._touched = [torch.unique(torch.cat(self._touched))]
             self._touched_count = self._touched[0].numel()
-        self._newest_arrival_s = max(self._newest_arrival_s or 0.0, arrived_s)
-        newest_event = int(batch.event_time_ms.max()) if len(batch) else -1
-        if newest_event >= 0:
-            self._newest_event_ms = max(self._newest_event_ms or 0, newest_event)
+        self.note_newest(arrived_s, int(batch.event_time_ms.max()) if len(batch) else None)
+
+    def note_newest(self, arrived_s: float | None, event_ms: int | None) -> None:
+        """Records that arrived at `arrived_s` (wall time) with event times up to `event_ms`
+        (< 0: none) were trained: the next version carries the newest stamps. A distributed
+        job's rank 0 calls it with every rank's stamps, gathered at the job checkpoint."""
+        if arrived_s is not None:
+            self._newest_arrival_s = max(self._newest_arrival_s or 0.0, arrived_s)
+        if event_ms is not None and event_ms >= 0:
+            self._newest_event_ms = max(self._newest_event_ms or 0, event_ms)
 
     def due(self) -> bool:
         """Whether publish_every_s has passed since the last publish (checkpoint now)."""

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -227,6 +228,7 @@ def test_a_job_publishes_full_snapshots_that_serve_its_final_checkpoints_export(
     pub = tmp_path / "pub"
     cfg = job_config(tmp_path / "run", limit_records=4096)
     cfg["serving"]["publish"] = str(pub)
+    started_s = time.time()
     results = values(run_ranks(train_rank, 2, cfg))
     assert all("error" not in r for r in results), results
     # 4,096 records, 2 ranks, batches of 128: 16 job steps, checkpoints at 10 and at the end.
@@ -234,6 +236,9 @@ def test_a_job_publishes_full_snapshots_that_serve_its_final_checkpoints_export(
     assert index.latest == 2 and index.full == 2 and index.chain == []
     kinds = {v: PublishInfo.from_manifest(read_bundle(p).manifest, p).kind for v, p in version_dirs(pub).items()}
     assert set(kinds.values()) == {"full"} and 2 in kinds
+    # Freshness: the newest read of a trained batch on any rank (the sample has no event time).
+    info = PublishInfo.from_manifest(read_bundle(version_dirs(pub)[2]).manifest, version_dirs(pub)[2])
+    assert started_s < info.newest_arrival_s < info.created_s and info.newest_event_ms is None
     job = results[0]["summary"]["checkpoint"]
     assert main(["export", job, "--out", str(tmp_path / "final"), "--quiet"]) == 0
     batch = decode_lines(b"\n".join(sample_lines()[:2000]) + b"\n", CRITEO, "t", 0)[0]
