@@ -271,8 +271,8 @@ def category_keys(raw: TextColumn | JsonSpans | list[Any], field_id: int,
     col, status = as_text(raw, rekeyed=whole)
     salt = field_salt(np.int64(field_id))
     keys = hash_spans(word_view(col.buf), col.starts, col.ends - col.starts, salt)
-    if whole is not None and whole.any():
-        keys[whole] = integer_text_keys(ints[whole], salt)
+    if whole is not None:
+        rekey_whole_numbers(keys, whole, ints, salt)
     return keys, status
 
 
@@ -291,8 +291,9 @@ def whole_numbers(raw: TextColumn | JsonSpans | list[Any]) -> tuple[np.ndarray, 
             exact &= ok
         # An integer's text is its own, but for -0 (JSON allows it; its value is 0).
         written = is_int & ~((number == 0) & (raw.ends - raw.starts != 1))
-    else:       # Python values (the per-line parser's, or a declared default): ints are exact
-        number = np.array([float(v) if type(v) in (int, float) else 0.0 for v in raw], np.float64)
+    else:       # Python values (the per-line parser's, or a declared default): an int's
+        # text is its own (of any size: no float of it is taken), a float's is its repr
+        number = np.array([v if type(v) is float else 0.0 for v in raw], np.float64)
         exact = np.array([type(v) is float for v in raw], bool)
         written = np.zeros(len(raw), bool)
     with np.errstate(invalid="ignore"):
@@ -300,12 +301,15 @@ def whole_numbers(raw: TextColumn | JsonSpans | list[Any]) -> tuple[np.ndarray, 
     return whole, np.where(whole, number, 0.0).astype(np.int64)
 
 
-def integer_text_keys(values: np.ndarray, salt: np.ndarray) -> np.ndarray:
-    """Keys of int64 `values` hashed as their decimal text, as `hash_strings` would."""
-    text = values.astype("S20")                     # b"3", b"-12": at most 20 bytes
-    starts = np.arange(len(values), dtype=np.int64) * 20
+def rekey_whole_numbers(keys: np.ndarray, whole: np.ndarray, ints: np.ndarray, salt: np.ndarray) -> None:
+    """Set keys[whole] (in place) to the keys of `ints[whole]` hashed as their decimal
+    text, as `hash_strings` would (`whole_numbers` gives both)."""
+    if not whole.any():
+        return
+    text = ints[whole].astype("S20")                # b"3", b"-12": at most 20 bytes
+    starts = np.arange(len(text), dtype=np.int64) * 20
     lengths = np.char.str_len(text).astype(np.int64)
-    return hash_spans(word_view(padded_buffer(text.tobytes())), starts, lengths, salt)
+    keys[whole] = hash_spans(word_view(padded_buffer(text.tobytes())), starts, lengths, salt)
 
 
 def token_key(value: Any, field_id: int) -> np.int64:
@@ -451,9 +455,7 @@ def _keys_of_lists(lists: list[list[Any]], salt: np.ndarray, max_len: int, statu
         status[np.searchsorted(offsets, bad_elements, side="right") - 1] = BAD
     keys = hash_spans(word_view(tokens.buf), tokens.starts, tokens.ends - tokens.starts, salt)
     if integer_ids:
-        whole, ints = whole_numbers(tokens if csv_text else flat)
-        if whole.any():
-            keys[whole] = integer_text_keys(ints[whole], salt)
+        rekey_whole_numbers(keys, *whole_numbers(tokens if csv_text else flat), salt)
     return keys, offsets
 
 

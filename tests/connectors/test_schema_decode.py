@@ -227,6 +227,14 @@ def test_integer_ids_on_multi_hot_elements(encoding):
         assert got == [hash_strings(row, 1).tolist() for row in expected], integer_ids
 
 
+def test_integer_ids_leave_integers_of_any_size_as_written():
+    from stream_ctr.connectors.schema_columns import category_keys
+    huge = 10 ** 400                    # the stdlib parser's int; no float holds it
+    keys, status = category_keys([huge, 3.0, 3], 0, integer_ids=True)
+    assert status.tolist() == [0, 0, 0]
+    assert keys.tolist() == hash_strings([str(huge), "3", "3"], 0).tolist()
+
+
 def test_integer_ids_must_be_a_boolean():
     with pytest.raises(SchemaError, match="integer_ids must be true or false"):
         parse_schema("[schema]\nencoding='json'\n[schema.fields.y]\nkind='label'\n"
