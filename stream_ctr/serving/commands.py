@@ -20,7 +20,7 @@ from stream_ctr.serving.export import checkpoint_record, export_bundle
 from stream_ctr.serving.follower import Follower, initial_bundle
 from stream_ctr.serving.kafka_publish import KafkaMirror, is_kafka_target
 from stream_ctr.serving.scorer import PRECISIONS, Scorer, score_file
-from stream_ctr.serving.server import HTTP_STACKS, Server
+from stream_ctr.serving.server import HTTP_STACKS, Limits, Server
 from stream_ctr.train.heap import keep_heap
 
 EXPORT_EPILOG = """examples:
@@ -111,6 +111,18 @@ def add_serving_parsers(sub: argparse._SubParsersAction, add_common) -> None:
     s.add_argument("--no-coalesce", action="store_true", help="score each request alone")
     s.add_argument("--http", choices=HTTP_STACKS, default="stdlib", help="HTTP stack (aiohttp: "
                    "for comparison, needs aiohttp installed)")
+    s.add_argument("--idle-timeout-s", type=float, default=Limits.idle_timeout_s, metavar="SECONDS",
+                   help="close a connection that waits this long for its next request (default "
+                   f"{Limits.idle_timeout_s:g})")
+    s.add_argument("--request-timeout-s", type=float, default=Limits.request_timeout_s,
+                   metavar="SECONDS", help="a request must arrive whole within this long of its first "
+                   f"byte, else 408 and closed (default {Limits.request_timeout_s:g})")
+    s.add_argument("--max-body-bytes", default=str(Limits.max_body_bytes), metavar="BYTES",
+                   help="larger POST /predict bodies are refused with 413, e.g. 16MiB (default "
+                   f"and most: the decoder's limit, {Limits.max_body_bytes >> 20}MiB)")
+    s.add_argument("--max-connections", type=int, default=Limits.max_connections,
+                   help="connections served at once; one more is answered 503 and closed (default "
+                   f"{Limits.max_connections})")
     add_common(s)
     s.set_defaults(func=cmd_serve)
 
@@ -128,6 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import sys
     import torch
+    limits = server_limits(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if not 0 <= args.port <= 65535:
@@ -153,8 +166,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--follow {follow_spec}: nothing is published there yet (no PUBLISHED.json); "
                           "start the trainer with --publish first, or name a bundle to serve meanwhile")
     scorer = Scorer(read_bundle(initial_bundle(source)), args.device, args.precision)
-    server = Server(scorer, args.host, args.port, http=args.http, coalesce=not args.no_coalesce,
-                    max_batch_records=args.max_batch_records, max_wait_s=args.max_wait_ms / 1000)
+    server = Server(scorer, args.host, args.port, http=args.http, limits=limits,
+                    coalesce=not args.no_coalesce, max_batch_records=args.max_batch_records,
+                    max_wait_s=args.max_wait_ms / 1000)
     follower = None
     published = args.follow or (source if (Path(source) / "PUBLISHED.json").exists() else None)
     if published:
@@ -181,6 +195,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         close()
     return 0
+
+
+def server_limits(args: argparse.Namespace) -> Limits:
+    """`serve`'s --idle-timeout-s, --request-timeout-s, --max-body-bytes, --max-connections."""
+    try:
+        max_body = parse_bytes(args.max_body_bytes)
+    except ValueError as e:
+        raise ConfigError(f"--max-body-bytes: {e}") from None
+    try:
+        return Limits(args.idle_timeout_s, args.request_timeout_s, max_body, args.max_connections)
+    except ValueError as e:
+        raise ConfigError(f"serve: {e}") from None
 
 
 def cmd_export(args: argparse.Namespace) -> tuple[dict, str]:
