@@ -24,30 +24,62 @@ When the source has the true click probability of every row beside it (a
 `stream-ctr synth` sidecar), the Bayes AUC of the held-out rows is printed
 and every cell's gap to it. Results are appended to OUT/results.jsonl as each
 run ends; a study started again with the same OUT skips the cells it has.
+
+Matrix mode (`--synth SPECS` instead of SOURCE): how much a batch loses on
+streams with and without interactions, and how that changes with the rows.
+A spec is `interaction` (the default synthetic teacher) or `additive` (no
+interactions), optionally followed by `:key=value` overrides of the teacher
+(seed, zipf, vocab, fields, interaction, dim, nonlinear; see `stream-ctr synth
+--help`), e.g. `interaction:seed=1:zipf=1.2`. For every spec and every size in
+`--rows` the stream is written once to OUT/data/<stream>-<rows>.tsv (with its
+true-probability sidecar; reused by later runs), the study above runs in
+OUT/<stream>-<rows>/, and OUT/matrix.txt and OUT/matrix.json gather every
+(stream, rows, rule, batch) cell, with, per stream and rule, the AUC against
+the smallest batch as rows x batch.
+
+  stream-ctr bench scaling --synth interaction,additive --rows 2000000,8000000 \\
+      --batches 1024,8192,32768,131072 --seeds 3 --rules cowclip --out runs/matrix
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from stream_ctr.config import Config, validate
 
+if TYPE_CHECKING:
+    from stream_ctr.connectors.synth import Teacher
+
 RULES = ("none", "sqrt", "linear", "cowclip")
+STREAM_NAMES = ("interaction", "additive")
+# The short keys of a --synth spec and the Teacher fields they set.
+SPEC_KEYS = {"seed": "seed", "zipf": "zipf_exponent", "vocab": "vocab_per_field", "fields": "fields",
+             "interaction": "interaction", "dim": "interaction_dim", "nonlinear": "nonlinear"}
+DEFAULT_MATRIX_ROWS = (2_000_000, 8_000_000)
 
 
 def add_bench_scaling_parser(bsub: argparse._SubParsersAction, add_common) -> None:
     b = bsub.add_parser("scaling", help="test AUC per batch size and scaling rule (table + PNG)",
                         description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    b.add_argument("source", help="criteo:PATH, avazu:PATH, json:PATH / csv:PATH with --schema, or a "
-                   "path (e.g. from `stream-ctr synth`)")
+    b.add_argument("source", nargs="?", help="criteo:PATH, avazu:PATH, json:PATH / csv:PATH with --schema, "
+                   "or a path (e.g. from `stream-ctr synth`); or --synth instead")
+    b.add_argument("--synth", metavar="SPECS", help="instead of SOURCE: a matrix over synthetic streams, "
+                   "comma-separated specs `interaction` or `additive`, each optionally followed by "
+                   ":key=value teacher overrides (seed, zipf, vocab, fields, interaction, dim, nonlinear)")
+    b.add_argument("--rows", metavar="N,...", help="with --synth: the stream sizes, comma-separated "
+                   f"(default {','.join(str(r) for r in DEFAULT_MATRIX_ROWS)})")
     b.add_argument("--schema", metavar="FILE", help="the declared schema of a json:/csv: source "
                    "(or a [schema] table in --config)")
     b.add_argument("--batches", default="1024,8192,32768,131072", help="batch sizes, comma-separated")
@@ -69,23 +101,35 @@ def add_bench_scaling_parser(bsub: argparse._SubParsersAction, add_common) -> No
 def cmd_bench_scaling(args: argparse.Namespace) -> tuple[dict, str]:
     """The bench command: prints the table; returns (JSON summary, one line) for the CLI to emit."""
     from stream_ctr.config import ConfigError, load_config
+    if (args.source is None) == (args.synth is None):
+        raise ConfigError("bench scaling: give either a SOURCE (one study) or --synth SPECS (a matrix of "
+                          "synthetic streams), not both and not neither")
+    if args.synth is None and args.rows is not None:
+        raise ConfigError("bench scaling: --rows sizes the --synth streams; to train on fewer records "
+                          "of a SOURCE use --limit")
+    if args.synth is not None and args.schema:
+        raise ConfigError("bench scaling: --schema is for a json:/csv: SOURCE; --synth streams are "
+                          "Criteo TSV and need none")
     base = load_config(args.config, args.set)
     if args.schema:
         from stream_ctr.config import read_schema_file
         base.data.schema = read_schema_file(args.schema)
-    base.data.source = args.source
+    if args.source is not None:
+        base.data.source = args.source
     base.data.epochs = args.epochs
     base.data.holdout_fraction = args.holdout_fraction
     base.data.limit_records = args.limit
     base.train.threads = args.threads
     base.metrics.timeseries_every_s = 0.0
-    batches = [int(x) for x in args.batches.split(",") if x]
+    batches = _int_list("--batches", args.batches)
     rules = [r for r in args.rules.split(",") if r]
     if not batches or min(batches) < 1 or args.seeds < 1 or args.base_batch < 1:
         raise ConfigError("bench scaling: --batches, --seeds and --base-batch must be >= 1")
     unknown = [r for r in rules if r not in RULES]
     if unknown or not rules:
         raise ConfigError(f"bench scaling: unknown rule(s) {unknown} (known: {', '.join(RULES)})")
+    if args.synth is not None:
+        return _cmd_matrix(args, base, sorted(batches), rules)
     summary = study(base, sorted(batches), rules, args.seeds, args.base_batch,
                     Path(args.out), show_progress=not args.quiet)
     if not args.json:
@@ -208,10 +252,15 @@ def format_scaling_table(summary: dict) -> str:
         if bayes is not None:
             row.append(f"{100 * c['gap_to_bayes']:.2f}")
         table.append(row)
-    widths = [max(len(r[i]) for r in table) for i in range(len(cols))]
+    return head + "\n" + _grid(table)
+
+
+def _grid(table: list[list[str]]) -> str:
+    """Right-aligned columns, the first row a header underlined."""
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     lines = [" | ".join(v.rjust(w) for v, w in zip(r, widths)) for r in table]
     lines.insert(1, "-+-".join("-" * w for w in widths))
-    return head + "\n" + "\n".join(lines)
+    return "\n".join(lines)
 
 
 def plot_scaling(summary: dict, path: Path) -> Path:
@@ -261,3 +310,195 @@ def _load(path: Path, base: Config) -> dict[tuple[str, int, int], dict]:
         if row.get("study") == key:
             done[(row["rule"], row["batch"], row["seed"] - base.train.seed)] = row
     return done
+
+
+def _int_list(option: str, text: str) -> list[int]:
+    from stream_ctr.config import ConfigError
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"bench scaling: {option} {text!r}: give whole numbers, comma-separated") from None
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """One synthetic stream of a matrix: its canonical spec (the name plus the knobs that
+    differ from that name's teacher, in SPEC_KEYS order), a file-name slug, and its teacher."""
+    name: str
+    slug: str
+    teacher: Teacher
+
+
+def parse_stream_spec(spec: str) -> StreamSpec:
+    """`interaction` or `additive`, then `:key=value` overrides (keys of SPEC_KEYS).
+    Raises ConfigError naming the part of `spec` that is wrong."""
+    from stream_ctr.config import ConfigError
+    from stream_ctr.connectors.synth import ADDITIVE_TEACHER, DEFAULT_TEACHER
+    bases = {"interaction": DEFAULT_TEACHER, "additive": ADDITIVE_TEACHER}
+    where = f"bench scaling: --synth stream {spec!r}"
+    name, *overrides = [part.strip() for part in spec.split(":")]
+    if name not in bases:
+        raise ConfigError(f"{where}: unknown stream {name!r}; start a spec with one of "
+                          f"{', '.join(STREAM_NAMES)}")
+    teacher, seen = bases[name], set()
+    for part in overrides:
+        key, eq, value = (x.strip() for x in part.partition("="))
+        if not eq or key not in SPEC_KEYS:
+            raise ConfigError(f"{where}: {part!r} is not key=value with a key of {', '.join(SPEC_KEYS)}")
+        if key in seen:
+            raise ConfigError(f"{where}: {key} is set twice")
+        seen.add(key)
+        field = SPEC_KEYS[key]
+        kind = type(getattr(teacher, field))
+        try:
+            v = kind(value)
+        except ValueError:
+            v = None
+        if v is None or (kind is float and not math.isfinite(v)):
+            raise ConfigError(f"{where}: {key}={value!r} is not "
+                              f"{'a whole number' if kind is int else 'a finite number'}")
+        teacher = dataclasses.replace(teacher, **{field: v})
+    if teacher.seed < 0:
+        raise ConfigError(f"{where}: seed must be >= 0, got {teacher.seed}")
+    try:
+        teacher.check()
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    # Only the knobs that differ from the named teacher: two spellings of one stream share its files.
+    diff = [(k, getattr(teacher, f)) for k, f in SPEC_KEYS.items()
+            if getattr(teacher, f) != getattr(bases[name], f)]
+    return StreamSpec(name=":".join([name] + [f"{k}={v!r}" for k, v in diff]),
+                      slug="-".join([name] + [f"{k}{v!r}" for k, v in diff]), teacher=teacher)
+
+
+def parse_stream_specs(text: str) -> list[StreamSpec]:
+    """The comma-separated specs of --synth; ConfigError for a bad one or the same teacher twice."""
+    from stream_ctr.config import ConfigError
+    specs = [parse_stream_spec(x) for x in text.split(",") if x.strip()]
+    if not specs:
+        raise ConfigError(f"bench scaling: --synth {text!r} names no stream; give e.g. interaction,additive")
+    for i, a in enumerate(specs):
+        for b in specs[:i]:
+            if a.teacher == b.teacher:
+                raise ConfigError(f"bench scaling: --synth lists one stream twice ({b.name!r} and "
+                                  f"{a.name!r} have the same teacher); drop one")
+    return specs
+
+
+def ensure_stream(spec: StreamSpec, rows: int, data_dir: Path, show_progress: bool = True) -> Path:
+    """DATA_DIR/<slug>-<rows>.tsv with its sidecar, written unless a complete one is there.
+
+    Complete means: the sidecar (renamed into place last) holds `rows` probabilities and
+    <file>.teacher.json names the same teacher. The data is written under a temporary
+    name first, so an interrupted write never passes for the stream."""
+    from stream_ctr.connectors.synth import probs_path, write_synthetic_criteo
+    path = data_dir / f"{spec.slug}-{rows}.tsv"
+    sidecar, meta = probs_path(path), path.with_name(path.name + ".teacher.json")
+    want = {"teacher": dataclasses.asdict(spec.teacher), "rows": rows}
+    if path.exists() and _sidecar_rows(sidecar) == rows and _read_json(meta) == want:
+        return path
+    if show_progress:
+        print(f"bench scaling: writing {path} ({rows:,} rows of {spec.name})", file=sys.stderr, flush=True)
+    sidecar.unlink(missing_ok=True)        # from here on the old file is no longer complete
+    tmp = path.with_name(path.name + ".partial")
+    write_synthetic_criteo(tmp, rows, seed=spec.teacher.seed, teacher=spec.teacher)
+    os.replace(tmp, path)
+    meta.write_text(json.dumps(want) + "\n")
+    os.replace(probs_path(tmp), sidecar)
+    return path
+
+
+def _sidecar_rows(path: Path) -> int:
+    try:
+        return int(np.load(path, mmap_mode="r").shape[0])
+    except (OSError, ValueError, IndexError):       # missing, truncated or not an .npy
+        return -1
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _cmd_matrix(args: argparse.Namespace, base: Config, batches: list[int], rules: list[str]) -> tuple[dict, str]:
+    from stream_ctr.config import ConfigError
+    specs = parse_stream_specs(args.synth)
+    sizes = sorted(set(_int_list("--rows", args.rows))) if args.rows is not None else list(DEFAULT_MATRIX_ROWS)
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"bench scaling: --rows {args.rows!r}: give stream sizes >= 1, comma-separated")
+    out = Path(args.out)
+    result = matrix(base, specs, sizes, batches, rules, args.seeds, args.base_batch, out,
+                    show_progress=not args.quiet)
+    if not args.json:
+        print(format_matrix(result))
+    runs = len(result["cells"]) * args.seeds
+    return ({"bench": "scaling", **result},
+            f"bench scaling: {len(specs)} stream(s) x {len(sizes)} size(s), {runs} runs; "
+            f"matrix {out / 'matrix.txt'}")
+
+
+def matrix(base: Config, specs: list[StreamSpec], sizes: list[int], batches: list[int], rules: list[str],
+           seeds: int, base_batch: int, out_dir: Path, show_progress: bool = True) -> dict:
+    """`study` for every (stream, rows) pair in OUT/<slug>-<rows>/, on streams written once to
+    OUT/data/; writes and returns the matrix (OUT/matrix.json, OUT/matrix.txt)."""
+    for rule in rules:
+        rule_config(base, rule, batches[0], base_batch)       # a bad rule fails before any stream is written
+    pairs, cells = [], []
+    for spec in specs:
+        for rows in sizes:
+            path = ensure_stream(spec, rows, out_dir / "data", show_progress)
+            cfg = Config.from_dict(base.to_dict())
+            cfg.data.source = f"criteo:{path}"
+            if show_progress:
+                print(f"bench scaling: {spec.name}, {rows:,} rows -> {out_dir / f'{spec.slug}-{rows}'}",
+                      file=sys.stderr, flush=True)
+            s = study(cfg, batches, rules, seeds, base_batch, out_dir / f"{spec.slug}-{rows}", show_progress)
+            pairs.append({"stream": spec.name, "rows": rows, "source": s["source"],
+                          "dir": str(out_dir / f"{spec.slug}-{rows}"), "bayes_auc": s["bayes_auc"],
+                          "png": s["png"]})
+            cells += [{"stream": spec.name, "rows": rows, **c, "bayes_auc": s["bayes_auc"]}
+                      for c in s["cells"]]
+    result = {"epochs": base.data.epochs, "base_batch": base_batch, "seeds": seeds, "rules": rules,
+              "batches": batches, "rows": sizes,
+              "streams": [{"stream": sp.name, "slug": sp.slug, "teacher": dataclasses.asdict(sp.teacher),
+                           "describe": sp.teacher.describe()} for sp in specs],
+              "pairs": pairs, "cells": cells, "pivots": pivots(cells, specs, sizes, batches, rules)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "matrix.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out_dir / "matrix.txt").write_text(format_matrix(result) + "\n")
+    return result
+
+
+def pivots(cells: list[dict], specs: list[StreamSpec], sizes: list[int], batches: list[int],
+           rules: list[str]) -> list[dict]:
+    """Per (stream, rule): test AUC minus the smallest batch's, in points, as
+    `vs_smallest_points[i][j]` for rows sizes[i] and batch batches[j] (< 0: that batch loses)."""
+    by_key = {(c["stream"], c["rows"], c["rule"], c["batch"]): c for c in cells}
+    return [{"stream": sp.name, "rule": rule, "smallest_batch": batches[0], "rows": sizes, "batches": batches,
+             "vs_smallest_points": [[0.0 - 100 * by_key[(sp.name, rows, rule, b)]["gap_to_smallest"]
+                                     for b in batches] for rows in sizes]}
+            for sp in specs for rule in rules]
+
+
+def format_matrix(result: dict) -> str:
+    head = [f"bench scaling matrix: {result['epochs']} epoch(s), {result['seeds']} seed(s), "
+            f"base batch {result['base_batch']:,}; test AUC on each stream's held-out tail",
+            "streams:"] + [f"  {s['stream']}: {s['describe']}" for s in result["streams"]]
+    table = [["stream", "rows", "rule", "batch", "test AUC mean [min, max]", "vs smallest (pt)",
+              "gap to Bayes (pt)", "steps", "calibration"]]
+    for c in result["cells"]:
+        table.append([c["stream"], f"{c['rows']:,}", c["rule"], f"{c['batch']:,}",
+                      f"{c['auc_mean']:.4f} [{c['auc_min']:.4f}, {c['auc_max']:.4f}]",
+                      f"{0.0 - 100 * c['gap_to_smallest']:+.2f}",
+                      "-" if c["gap_to_bayes"] is None else f"{100 * c['gap_to_bayes']:.2f}",
+                      f"{c['steps']:,}", f"{c['calibration']:.3f}"])
+    parts = ["\n".join(head), _grid(table),
+             "test AUC vs the smallest batch of the same stream, rows and rule (points; < 0: the "
+             "larger batch loses), rows down, batch across:"]
+    for p in result["pivots"]:
+        grid = [["rows"] + [f"{b:,}" for b in p["batches"]]]
+        grid += [[f"{rows:,}"] + [f"{v:+.2f}" for v in vals] for rows, vals in zip(p["rows"], p["vs_smallest_points"])]
+        parts.append(f"{p['stream']}, {p['rule']}:\n{_grid(grid)}")
+    return "\n\n".join(parts)

@@ -1,4 +1,5 @@
-"""CTR models (DeepFM, Wide&Deep, DCN, DCNv2) over externally stored embeddings.
+"""CTR models (DeepFM, Wide&Deep, DCN, DCNv2, and logistic regression as a baseline)
+over externally stored embeddings.
 
 Contract
 --------
@@ -41,7 +42,7 @@ from stream_ctr.models.layers import (glorot_normal_, _dense, fm_term, MLP, Line
 from stream_ctr.ops.deepfm_input import deepfm_input
 from stream_ctr.ops.dispatch import use_cpu_loop
 
-__all__ = ["CTRModel", "DeepFM", "WideDeep", "DCN", "DCNv2", "build_model",
+__all__ = ["CTRModel", "LogisticRegression", "DeepFM", "WideDeep", "DCN", "DCNv2", "build_model",
            "MLP", "CrossNet", "CrossNetMix", "fm_term", "glorot_normal_"]
 
 class CTRModel(nn.Module):
@@ -76,6 +77,19 @@ class CTRModel(nn.Module):
         kernel = self.linear.kernel
         return {"linear": [kernel.weight] if kernel is not None else [],
                 "cross": self.cross_kernels()}
+
+
+class LogisticRegression(CTRModel):
+    """Hashed logistic regression ("lr"): the shared linear logit alone, one weight per
+    (field, id) and the numeric kernel. The baseline that says how much a stream's
+    clicks depend on interactions: the embedding rows are gathered as for every model
+    but take no part, so their gradient is zero and they never move."""
+
+    def __init__(self, cfg: ModelConfig, n_fields: int, n_dense: int):
+        super().__init__(n_fields, cfg.embed_dim, n_dense)
+
+    def interaction(self, emb: Tensor, dense: Tensor) -> Tensor:
+        return emb.new_zeros(emb.shape[0])
 
 
 class WideDeep(CTRModel):
@@ -139,7 +153,7 @@ class DCNv2(DCN):
 
 
 MODEL_CLASSES: dict[str, type[CTRModel]] = {
-    "deepfm": DeepFM, "wdl": WideDeep, "dcn": DCN, "dcnv2": DCNv2}
+    "deepfm": DeepFM, "wdl": WideDeep, "dcn": DCN, "dcnv2": DCNv2, "lr": LogisticRegression}
 
 
 def build_model(cfg: ModelConfig, n_fields: int, n_dense: int) -> CTRModel:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from stream_ctr.config import MODELS, ModelConfig
-from stream_ctr.models.networks import (DCN, CrossNet, CrossNetMix, CTRModel, DCNv2, DeepFM, WideDeep,
-                               build_model, fm_term)
+from stream_ctr.models.networks import (DCN, CrossNet, CrossNetMix, CTRModel, DCNv2, DeepFM, LogisticRegression,
+                               WideDeep, build_model, fm_term)
 
 F, D, N_DENSE = 39, 10, 13  # Criteo
 
@@ -46,7 +46,7 @@ def test_samples_are_independent(name):
 
 def test_model_classes():
     classes = {n: type(build_model(ModelConfig(name=n), F, N_DENSE)) for n in MODELS}
-    assert classes == {"deepfm": DeepFM, "wdl": WideDeep, "dcn": DCN, "dcnv2": DCNv2}
+    assert classes == {"deepfm": DeepFM, "wdl": WideDeep, "dcn": DCN, "dcnv2": DCNv2, "lr": LogisticRegression}
     with pytest.raises(ValueError, match="model.name"):
         build_model(ModelConfig(name="xdeepfm"), F, N_DENSE)
 
@@ -59,10 +59,25 @@ def test_gradients_reach_inputs_and_every_parameter(name, n_dense):
     weights = torch.randn(16)
     (model(emb, lin, dense) * weights).sum().backward()
     for label, t in [("emb", emb), ("lin", lin)] + ([("dense", dense)] if n_dense else []):
+        if name == "lr" and label != "lin":
+            # The baseline has no interaction (emb takes no part), and dense reaches the
+            # logit only through the numeric kernel, which starts at zero.
+            assert t.grad is None or not t.grad.any(), label
+            continue
         assert t.grad is not None and t.grad.abs().sum() > 0, label
     for pname, p in model.named_parameters():
         assert p.grad is not None, pname
         assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, pname
+
+
+def test_logistic_regression_is_the_linear_part_alone():
+    model = build_model(ModelConfig(name="lr"), F, N_DENSE)
+    emb, lin, dense = inputs(4)
+    with torch.no_grad():
+        model.linear.bias.fill_(-0.5)
+        torch.testing.assert_close(model(emb, lin, dense),
+                                   lin.sum(1) + dense @ model.linear.kernel.weight[0] - 0.5)
+        torch.testing.assert_close(model(emb * 7, lin, dense), model(emb, lin, dense))
 
 
 def test_linear_part_is_sum_of_lin_plus_dense_kernel_plus_bias():
@@ -168,6 +183,7 @@ def test_parameter_counts_all_models():
               for n in MODELS}
     dnn = 403 * 400 + 400 + 2 * (400 * 400 + 400)
     assert counts["wdl"] == counts["deepfm"] == 14 + dnn + 400
+    assert counts["lr"] == 14                          # the numeric kernel and the bias
     assert counts["dcn"] == 14 + dnn + 2 * 3 * 403 + (403 + 400)
     assert counts["dcnv2"] == (14 + dnn + 3 * 4 * (2 * 403 * 32 + 32 * 32) + 3 * 403
                                + 403 * 4 + (403 + 400))
@@ -179,7 +195,7 @@ def test_l2_parameters(name):
     groups = model.l2_parameters()
     assert set(groups) == {"linear", "cross"}
     assert len(groups["linear"]) == 1 and groups["linear"][0] is model.linear.kernel.weight
-    if name in ("deepfm", "wdl"):
+    if name in ("deepfm", "wdl", "lr"):
         assert groups["cross"] == []
     elif name == "dcn":
         assert len(groups["cross"]) == 1 and groups["cross"][0] is model.cross.kernel
