@@ -48,7 +48,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = "deepfm"            # deepfm | wdl | dcn | dcnv2
+    name: str = "deepfm"            # deepfm | wdl | dcn | dcnv2 | lr (logistic regression)
     embed_dim: int = 10
     mlp_dims: tuple[int, ...] = (400, 400, 400)
     cross_layers: int = 3
@@ -376,7 +376,7 @@ def parse_bytes(text: str | int) -> int:
     return int(float(num) * _BYTE_UNITS[unit])
 
 
-MODELS = ("deepfm", "wdl", "dcn", "dcnv2")
+MODELS = ("deepfm", "wdl", "dcn", "dcnv2", "lr")
 # A smaller rotation size would rename the time series every few lines and keep almost nothing.
 TIMESERIES_MIN_BYTES = 64 << 10
 

@@ -84,7 +84,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                         "defaults that `stream-ctr config example` prints)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE",
                    help="override any config option (repeatable)")
-    p.add_argument("--model", choices=["deepfm", "wdl", "dcn", "dcnv2"], help="model.name")
+    p.add_argument("--model", choices=["deepfm", "wdl", "dcn", "dcnv2", "lr"], help="model.name")
     p.add_argument("--batch-size", type=int, help="data.batch_size: the batch that trains")
     p.add_argument("--scale-from", type=int, metavar="BASE_BATCH", help="optim.scale_from_batch: "
                    "the configured lr_dense / lr_embed / l2 are for BASE_BATCH and the scaling rule "
