@@ -6,12 +6,18 @@ offset is its 0-based *data-line number*: the header line (Avazu) is not
 counted, blank and malformed lines are (they are rejected, never dropped
 silently).  `FileSource.snapshot()` is the resume position; reopening the file
 with ``start_offset`` set to it yields exactly the records that follow.
+
+A damaged file (a truncated or corrupt gzip, a failed read) reads as the
+complete lines before the damage, then raises `DamagedFile`; the line the
+damage cut short is not a line of it (the error counts its bytes), so the
+repaired file resumes at the offset where the damaged one stopped.
 """
 from __future__ import annotations
 
 import csv
 import dataclasses
-import gzip
+import io
+import os
 import zlib
 from importlib import resources
 from pathlib import Path
@@ -37,7 +43,8 @@ SAMPLE_PATHS: dict[str, Path] = {
     "avazu": SAMPLE_DIR / "avazu_sample_9999.csv.gz",
 }
 READ_BYTES = 8 << 20          # bytes read from the (decompressed) stream at a time
-# A truncated gzip ends in EOFError, a damaged one in BadGzipFile (an OSError) or zlib.error.
+# A damaged gzip ends in GzipDamage (an OSError; gzip.GzipFile raises EOFError, BadGzipFile
+# or zlib.error), a failed read in OSError.
 READ_ERRORS = (OSError, EOFError, zlib.error)
 GZIP_MAGIC = b"\x1f\x8b"
 
@@ -46,8 +53,196 @@ class SourceError(ValueError):
     """A source cannot be opened because of something the user can fix."""
 
 
-def open_binary(path: str | Path) -> BinaryIO:
-    """Open `path` for binary reading, decompressing if it starts with the gzip magic bytes."""
+class EmptySource(SourceError):
+    """The source holds no records: an empty file, an empty gzip, a header alone."""
+
+
+class DamagedFile(SourceError):
+    """A file that cannot be read to its end: a truncated or corrupt gzip, an I/O error.
+
+    Raised only once every complete line before the damage was returned (by
+    `FileSource`) or counted (by `count_readable`): `lines` is how many data
+    lines that is, which is also the offset where a reader of the repaired file
+    resumes. The line the damage cut short is never returned, not even as a
+    malformed record (its `cut_bytes` are counted in the message): the repaired
+    file holds it whole at offset `lines`, so resuming there loses nothing.
+    `cause` says how and where the stream broke off; `summary` is set by a
+    training run that trained the lines before it.
+    """
+
+    def __init__(self, path: str | Path, lines: int, cause: str, cut_bytes: int = 0,
+                 done: str = "were read", then: str = "re-copy it") -> None:
+        self.path, self.lines, self.cause, self.cut_bytes = Path(path), lines, cause, cut_bytes
+        self.summary = None
+        super().__init__(self.describe(done, then))
+
+    def describe(self, done: str, then: str = "re-copy it") -> str:
+        """The one-line message: `done` says what became of the lines before the damage."""
+        cut = f", the {self.cut_bytes:,} bytes of the line it cut short were dropped" if self.cut_bytes else ""
+        return (f"{self.path}: {self.cause}: the {self.lines:,} lines before it {done}{cut}; "
+                f"the file is damaged: {then}")
+
+
+class GzipDamage(OSError):
+    """Where and how a gzip stream breaks off: `kind` is "truncated" (the file ends
+    inside a member) or "corrupt" (bytes that do not inflate, a failed checksum, bytes
+    after a member that are not gzip); `at` is the compressed byte offset where it was
+    found and `size` the file's size."""
+
+    def __init__(self, kind: str, at: int, size: int, detail: str = "") -> None:
+        self.kind, self.at, self.size, self.detail = kind, at, size, detail
+        super().__init__(f"gzip stream {kind} at byte {at:,} of {size:,}" + (f": {detail}" if detail else ""))
+
+
+GZIP_IN_BYTES = 1 << 20       # compressed bytes read from the file at a time
+
+
+class GzipStream(io.RawIOBase):
+    """The decompressed bytes of a gzip file (one member or several concatenated),
+    every byte before any damage included.
+
+    ``read(n)`` returns up to `n` bytes, fewer only at the end of the stream or
+    just before damage; once nothing before the damage is left it raises the
+    damage (`GzipDamage`, or the OSError of a failed file read), on every later
+    call too. gzip.GzipFile instead raises in the read that meets the damage,
+    losing what that read had already inflated (up to a whole read's worth of
+    lines). Zero bytes between members are skipped, as gzip does.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.name = str(path)
+        self._file = open(path, "rb", buffering=0)
+        self._in = memoryview(b"")       # compressed bytes read and not yet inflated
+        self._at = 0                     # file offset of self._in[0]
+        self._member: zlib._Decompress | None = None   # None between members
+        self._feed = GZIP_IN_BYTES      # compressed bytes inflated per call
+        self._failure: OSError | None = None
+        self._ended = False
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            return self.readall()
+        parts, have = [], 0
+        while have < size and self._failure is None and not self._ended:
+            out = self._inflate(size - have)
+            if out:
+                parts.append(out)
+                have += len(out)
+        if not parts and size and self._failure is not None:
+            raise self._failure
+        return b"".join(parts)
+
+    def readall(self) -> bytes:
+        parts = []
+        while chunk := self.read(8 * GZIP_IN_BYTES):
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+    def _inflate(self, limit: int) -> bytes:
+        """At most `limit` bytes inflated from the next piece of input (maybe none)."""
+        if not self._in and not self._read_more():
+            return b""
+        if self._member is None and not self._start_member():
+            return b""
+        piece = self._in[:self._feed]
+        before = self._member.copy()
+        try:
+            out = self._member.decompress(piece, limit)
+        except zlib.error as exc:
+            # zlib keeps nothing of a call that fails: inflate the piece again from the
+            # state before it, in smaller pieces, down to the byte that fails, so every
+            # byte ahead of the damage is returned and its offset is exact.
+            if len(piece) > 1:
+                self._member, self._feed = before, max(1, len(piece) // 64)
+            else:
+                self._fail("corrupt", _inflate_error(exc))
+            return b""
+        # (at a member's end, input past it is in unused_data; unconsumed_tail may still
+        # hold it too, from before)
+        member = self._member
+        used = len(piece) - len(member.unused_data if member.eof else member.unconsumed_tail)
+        self._in, self._at = self._in[used:], self._at + used
+        if member.eof:
+            self._member = None
+        return out
+
+    def _read_more(self) -> bool:
+        """Append the file's next bytes to the input; False at its end or on a failed read."""
+        try:
+            data = self._file.read(GZIP_IN_BYTES)
+        except OSError as exc:
+            self._failure = exc
+            return False
+        if not data:
+            # (input left here is one byte after a member: a member's start, or not gzip)
+            if self._member is not None or (self._in and GZIP_MAGIC.startswith(bytes(self._in))):
+                self._at += len(self._in)       # where the file ends
+                self._fail("truncated")
+            elif self._in:
+                self._fail("corrupt", "the bytes after a gzip member are not gzip data")
+            else:
+                self._ended = True
+            return False
+        self._in = memoryview(bytes(self._in) + data) if self._in else memoryview(data)
+        return True
+
+    def _start_member(self) -> bool:
+        """Begin the next member at the input: past zero padding, at gzip's magic bytes."""
+        if self._in[0] == 0:
+            head = bytes(self._in)
+            zeros = len(head) - len(head.lstrip(b"\0"))
+            self._in, self._at = self._in[zeros:], self._at + zeros
+            return False                # (more input first, if the padding took it all)
+        if len(self._in) < len(GZIP_MAGIC):
+            self._read_more()
+            return False
+        if self._in[:len(GZIP_MAGIC)] != GZIP_MAGIC:
+            self._fail("corrupt", "the bytes after a gzip member are not gzip data")
+            return False
+        self._member = zlib.decompressobj(wbits=31)     # 31: a gzip header and trailer, checked
+        return True
+
+    def _fail(self, kind: str, detail: str = "") -> None:
+        self._failure = GzipDamage(kind, self._at, max(os.fstat(self._file.fileno()).st_size, self._at),
+                                   detail)
+
+
+def _inflate_error(exc: zlib.error) -> str:
+    """zlib's complaint as what it means for the data."""
+    what = str(exc).rpartition(": ")[2]          # "Error -3 while decompressing data: ..."
+    if what in ("incorrect data check", "incorrect length check"):
+        # deflate has no check of its own: a changed byte mostly inflates to changed
+        # bytes, found only here, by the checksum at the end of the member
+        return (f"{what}: the member's checksum does not match its data, so bytes were changed "
+                "somewhere in it and lines read before this point may be garbled")
+    return f"bytes that do not inflate: {what}"
+
+
+def damage_cause(exc: BaseException, lines: int) -> str:
+    """How a read broke off after `lines` data lines, for `DamagedFile.cause`."""
+    if isinstance(exc, GzipDamage):
+        detail = f": {exc.detail}" if exc.detail else ""
+        return f"gzip stream {exc.kind} after {lines:,} lines (byte {exc.at:,} of {exc.size:,}{detail})"
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+    return f"read failed after {lines:,} lines ({reason})"
+
+
+def open_raw(path: str | Path) -> BinaryIO:
+    """`path` for reading in large chunks: its bytes, decompressed (`GzipStream`) if it
+    starts with the gzip magic bytes. A read returns what is there before any damage
+    first; only then does it raise."""
     path = Path(path)
     if not path.is_file():
         raise SourceError(f"no such file: {path} (check the path; 'criteo:sample' and "
@@ -55,9 +250,16 @@ def open_binary(path: str | Path) -> BinaryIO:
     try:
         with open(path, "rb") as probe:
             is_gzip = probe.read(2) == GZIP_MAGIC
-        return gzip.open(path, "rb") if is_gzip else open(path, "rb")
+        return GzipStream(path) if is_gzip else open(path, "rb", buffering=0)
     except OSError as exc:
         raise SourceError(f"cannot open {path}: {exc.strerror or exc}") from exc
+
+
+def open_binary(path: str | Path) -> BinaryIO:
+    """Open `path` for binary reading (lines, peek), decompressing if it starts with the
+    gzip magic bytes."""
+    raw = open_raw(path)
+    return io.BufferedReader(raw, 1 << 20 if isinstance(raw, GzipStream) else io.DEFAULT_BUFFER_SIZE)
 
 
 class _LineReader:
@@ -66,12 +268,22 @@ class _LineReader:
     Newline positions of each chunk are found once (`np.flatnonzero`) and
     consumed by index, so reading n lines costs O(bytes), however small n is.
     At the end of the stream a last line without LF counts as a line.
+
+    A read that fails (a damaged gzip, an I/O error) ends the stream early:
+    every complete line read before it is still handed out, the line it cut
+    short is dropped, and only then do `take`, `skip` and `at_end` raise
+    `DamagedFile`, counting the lines after the first `header_lines`.
     """
 
-    def __init__(self, stream: BinaryIO, read_bytes: int = READ_BYTES, name: str = "stream") -> None:
+    def __init__(self, stream: BinaryIO, read_bytes: int = READ_BYTES, name: str = "stream",
+                 header_lines: int = 0) -> None:
         self._stream = stream
         self._name = name
         self._read_bytes = read_bytes
+        self._header_lines = header_lines
+        self._lines_read = 0                            # LF-terminated lines buffered so far
+        self._failure: BaseException | None = None     # the read error that ended the stream
+        self._cut = 0                                   # bytes of the line the failure cut short
         self._buf = b""
         self._pos = 0                                   # first unconsumed byte of _buf
         self._ends = np.zeros(0, dtype=np.int64)        # LF positions in _buf (or len at EOF)
@@ -85,6 +297,7 @@ class _LineReader:
         """True when no line is left (reads ahead if needed)."""
         while not self.available() and not self._eof:
             self._refill()
+        self._raise_failure()
         return not self.available()
 
     def take(self, n: int) -> tuple[bytes, int]:
@@ -93,6 +306,7 @@ class _LineReader:
             self._refill(n - self.available())
         k = min(n, self.available())
         if k == 0:
+            self._raise_failure()
             return b"", 0
         end = int(self._ends[self._next + k - 1]) + 1
         data = self._buf[self._pos:end]
@@ -105,6 +319,7 @@ class _LineReader:
         while skipped < n:
             if not self.available():
                 if self._eof:
+                    self._raise_failure()
                     break
                 skipped += self._skip_chunk(n - skipped)
                 continue
@@ -125,6 +340,7 @@ class _LineReader:
         cut = tail.rfind(b"\n") + 1
         self._buf, self._pos = tail[cut:], 0
         self._ends, self._next = np.zeros(0, dtype=np.int64), 0
+        self._lines_read += n_lf
         return n_lf
 
     def _refill(self, n_lines: int = 1) -> None:
@@ -142,21 +358,37 @@ class _LineReader:
             self._append(b"")                            # end of stream
 
     def _read(self) -> bytes:
+        """The next chunk; b"" at the end of the stream, or once a read failed (kept in
+        _failure, raised when the lines before it are consumed: chunks read before it
+        in the same refill are kept)."""
+        if self._failure is not None:
+            return b""
         try:
             return self._stream.read(self._read_bytes)
         except READ_ERRORS as exc:              # truncated or corrupt gzip, I/O error
-            raise SourceError(f"{self._name}: read failed ({exc}); the file may be truncated "
-                              "or corrupt (a gzip still being written?)") from exc
+            self._failure = exc
+            return b""
+
+    def _raise_failure(self) -> None:
+        """Raise the read failure once every line before it was handed out."""
+        if self._failure is None or self.available() or not self._eof:
+            return
+        lines = max(self._lines_read - self._header_lines, 0)
+        raise DamagedFile(self._name, lines, damage_cause(self._failure, lines), self._cut) from self._failure
 
     def _append(self, chunk: bytes) -> None:
         tail = self._buf[self._pos:]
         old = self._ends[self._next:] - self._pos
         if chunk:
             new = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10) + len(tail)
+            self._lines_read += len(new)
         else:
             self._eof = True
             last = old[-1] + 1 if len(old) else 0
-            new = np.array([len(tail)] if len(tail) > last else [], dtype=np.int64)
+            if self._failure is None:
+                new = np.array([len(tail)] if len(tail) > last else [], dtype=np.int64)
+            else:                               # cut short by the failure: not a line
+                new, self._cut = np.zeros(0, dtype=np.int64), len(tail) - last
         self._buf, self._pos = tail + chunk, 0
         self._ends, self._next = np.concatenate([old, new]).astype(np.int64), 0
 
@@ -202,13 +434,18 @@ class FileSource:
         self.partition = "file:" + self.path.name
         self.chunk_records = chunk_records
         self.stop_offset = stop_offset
-        self._stream = open_binary(self.path)
-        self._lines = _LineReader(self._stream, read_bytes, name=str(self.path))
-        if isinstance(fmt, Schema) and fmt.has_header:
-            self.fmt = _schema_header(self._lines, self.path, fmt)
-        elif fmt.has_header:
-            _check_header(self._lines, self.path, fmt)
-        self._next_offset = self._lines.skip(start_offset)
+        self._stream = open_raw(self.path)
+        self._lines = _LineReader(self._stream, read_bytes, name=str(self.path),
+                                  header_lines=int(bool(fmt.has_header)))
+        try:
+            if isinstance(fmt, Schema) and fmt.has_header:
+                self.fmt = _schema_header(self._lines, self.path, fmt)
+            elif fmt.has_header:
+                _check_header(self._lines, self.path, fmt)
+            self._next_offset = self._lines.skip(start_offset)
+        except BaseException:           # a wrong header, a resume past the damage
+            self.close()
+            raise
 
     def read(self, max_records: int | None = None) -> tuple[Batch, list[Rejected]]:
         """Decode the next at most `max_records` data lines (default: chunk_records)."""
@@ -302,19 +539,35 @@ def _schema_header(lines: _LineReader, path: Path, schema: Schema) -> Schema:
 
 
 def count_records(path: str | Path, fmt: Layout, read_bytes: int = READ_BYTES) -> int:
-    """Number of data lines in the file (header excluded), by a bulk newline count."""
-    n_lines, n_bytes, last = 0, 0, b"\n"
-    with open_binary(path) as stream:
-        try:
-            while chunk := stream.read(read_bytes):
-                n_lines += chunk.count(b"\n")
-                n_bytes += len(chunk)
-                last = chunk[-1:]
-        except READ_ERRORS as exc:
-            raise SourceError(f"{Path(path).name}: read failed after {n_lines:,} lines ({exc}); the "
-                              "file may be truncated or corrupt (a gzip still being written?)") from exc
-    n_lines += last != b"\n"
-    return max(n_lines - (1 if fmt.has_header and n_bytes else 0), 0)
+    """Number of data lines in the file (header excluded), by a bulk newline count; of a
+    damaged file, the lines before the damage (`count_readable`)."""
+    return count_readable(path, fmt, read_bytes)[0]
+
+
+def count_readable(path: str | Path, fmt: Layout,
+                   read_bytes: int = READ_BYTES) -> tuple[int, DamagedFile | None]:
+    """(data lines, damage): the number of data lines in the file (header excluded),
+    by a bulk newline count, and None; of a damaged file (a truncated or corrupt gzip,
+    an I/O error), the number of complete lines before the damage -- exactly those a
+    `FileSource` returns before it raises -- and the `DamagedFile` it raises then.
+    A holdout taken from the end of a damaged file is the tail of its readable lines."""
+    n_lines, tail, failure = 0, 0, None       # tail: bytes after the last LF
+    with open_raw(path) as stream:
+        while True:
+            try:
+                chunk = stream.read(read_bytes)
+            except READ_ERRORS as exc:
+                failure = exc
+                break
+            if not chunk:
+                break
+            n_lf = chunk.count(b"\n")
+            n_lines += n_lf
+            tail = len(chunk) - 1 - chunk.rfind(b"\n") if n_lf else tail + len(chunk)
+    if failure is None:
+        return max(n_lines + (tail > 0) - int(bool(fmt.has_header)), 0), None
+    lines = max(n_lines - int(bool(fmt.has_header)), 0)
+    return lines, DamagedFile(path, lines, damage_cause(failure, lines), tail)
 
 
 def detect_format(spec: str, schema: Schema | str | None = None) -> tuple[Layout, Path]:
