@@ -18,6 +18,9 @@
     publisher  `train --publish`: a full snapshot, then deltas, after durable checkpoints
     follower   `serve --follow`: applies new versions to a running predictor (brief-lock swap)
     kafka_publish  the publish directory carried by a Kafka topic (sender and mirror)
+    portable   a numpy-only reference scorer of a portable export (spec.json, key and row
+               arrays, the dense network): copy it next to the files and it runs alone
+    portable_export  `export --portable`: writes those files from a bundle (ONNX or .pt2)
     commands   the `export`, `predict` and `serve` subcommands (argument parsing, summaries)
 
 bundle, scorer and export may import store, models, config, connectors and ops

@@ -19,6 +19,7 @@ from stream_ctr.serving.bundle import read_bundle
 from stream_ctr.serving.export import checkpoint_record, export_bundle
 from stream_ctr.serving.follower import Follower, initial_bundle
 from stream_ctr.serving.kafka_publish import KafkaMirror, is_kafka_target
+from stream_ctr.serving.portable_export import NETWORKS, check_portable, write_portable
 from stream_ctr.serving.scorer import PRECISIONS, Scorer, score_file
 from stream_ctr.serving.server import HTTP_STACKS, Limits, Server
 from stream_ctr.train.heap import keep_heap
@@ -46,6 +47,11 @@ def add_serving_parsers(sub: argparse._SubParsersAction, add_common) -> None:
                    help="run directory, checkpoint root or checkpoint directory (default: runs/latest)")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="the bundle directory to write; must be new or empty")
+    p.add_argument("--portable", action="store_true", help="also write BUNDLE/portable: the model for "
+                   "servers without stream-ctr (spec.json, rows as .npy, the network as ONNX or "
+                   "torch.export; docs/serving-portable.md)")
+    p.add_argument("--portable-network", choices=NETWORKS, default="auto", help="with --portable: the "
+                   "network's format (auto: onnx where the onnx packages are installed, else torch)")
     add_common(p)
     p.set_defaults(func=cmd_export)
 
@@ -221,13 +227,21 @@ def cmd_export(args: argparse.Namespace) -> tuple[dict, str]:
     precision = state.extra.get("precision") or _resolved_precision(cfg)
     checkpoint = checkpoint_record(where, state.step, state.records_trained, state.extra.get("epoch", 0),
                                    state.positions)
+    if args.portable:                   # refused before anything is written
+        check_portable({"record_format": {"schema": cfg.data.schema}}, args.portable_network)
     manifest = export_bundle(state.tensors, state.config, args.out, source_format(cfg), checkpoint,
                              precision, held_out_lines(cfg))
     rows = manifest["rows"]["count"]
-    return ({"bundle": str(args.out), "checkpoint": checkpoint["path"], "step": state.step,
-             "rows": rows, "precision": precision, "files": manifest["files"]},
-            f"exported {Path(where).name} (step {state.step:,}, {state.records_trained:,} records "
-            f"trained) with {rows:,} embedding rows to {args.out}")
+    summary = {"bundle": str(args.out), "checkpoint": checkpoint["path"], "step": state.step,
+               "rows": rows, "precision": precision, "files": manifest["files"]}
+    portable = ""
+    if args.portable:
+        spec = write_portable(args.out, network=args.portable_network)
+        net = spec["network"]["onnx"] or spec["network"]["torch_export"]
+        summary["portable"] = {"dir": str(Path(args.out) / "portable"), "network": net}
+        portable = f", and its portable export ({net}) to {Path(args.out) / 'portable'}"
+    return (summary, f"exported {Path(where).name} (step {state.step:,}, {state.records_trained:,} records "
+                     f"trained) with {rows:,} embedding rows to {args.out}{portable}")
 
 
 def _resolved_precision(cfg: Config) -> str:
