@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stream_ctr.connectors.dead_letter import RAW_LIMIT_BYTES
 from stream_ctr.connectors.kafka.options import KafkaOptions
 
 
@@ -41,6 +42,9 @@ class DataConfig:
     # per 4 cores (1 on a 2-core machine, 4 on a 16-core GPU host).
     decode_threads: int = 0
     dead_letter_path: str = ""      # default: RUN_DIR/dead_letter.jsonl
+    # Bytes of a rejected record kept in its dead-letter entry (file or topic); a longer
+    # one keeps its first bytes with its size and SHA-256 (a 50 MB bad line is not copied).
+    dead_letter_max_bytes: int = RAW_LIMIT_BYTES
     # The declared schema of json:/csv: sources, as TOML text (connectors/schema.py): set by
     # --schema FILE or a [schema] table in the config file; stored in every checkpoint.
     schema: str = ""
@@ -409,6 +413,9 @@ def validate(cfg: Config) -> Config:
         (d.epochs >= 1, f"data.epochs must be >= 1, got {d.epochs}"),
         (d.chunk_records >= 1, f"data.chunk_records must be >= 1, got {d.chunk_records}"),
         (d.max_batch_delay_s > 0, f"data.max_batch_delay_s must be > 0, got {d.max_batch_delay_s}"),
+        (d.dead_letter_max_bytes >= 0,
+         f"data.dead_letter_max_bytes must be >= 0 (0: keep only each record's size and hash), "
+         f"got {d.dead_letter_max_bytes}"),
         (m.name in MODELS, f"model.name must be one of {', '.join(MODELS)}, got {m.name!r}"),
         (m.embed_dim >= 1, f"model.embed_dim must be >= 1, got {m.embed_dim}"),
         (all(x >= 1 for x in m.mlp_dims), f"model.mlp_dims must be positive, got {m.mlp_dims}"),

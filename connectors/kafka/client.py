@@ -5,11 +5,20 @@ clear line).  Mid-stream, kafka-python reconnects by itself (backoff up to
 `kafka.reconnect_backoff_max_s`); `BrokerWatch` only notices: when reads
 have waited for records a while it probes the broker, logs one line when it
 goes away and one when it is back, and counts outages for the metrics.
+
+A topic deleted mid-stream (or a partition gone: the topic recreated with
+fewer) is `StreamGone`, a `SourceError`: nothing arrives from it again, so it
+must not look like an idle stream that ended.  `missing_partitions` asks the
+broker's metadata, which is the only place that says so: on tansu a fetch of
+a deleted topic returns no records and no error (kafka-python), and a
+ListOffsets answers offset 0.  Group commits fail (UnknownTopicOrPartition),
+but only at the next checkpoint.
 """
 from __future__ import annotations
 
 import logging
 import time
+from typing import Iterable
 
 from stream_ctr.connectors.files import SourceError
 from stream_ctr.connectors.kafka.options import KafkaUrl, client_config, split_partition_name
@@ -17,6 +26,24 @@ from stream_ctr.connectors.kafka.options import KafkaUrl, client_config, split_p
 log = logging.getLogger("stream_ctr.connectors.kafka")
 PROBE_EVERY_S = 2.0          # without records this long, check the broker is still there
 PROBE_TIMEOUT_MS = 2000
+# kafka-python refreshes the metadata of the topics it reads this often (its default,
+# 5 min, noticed a deleted topic that late); the confluent backend asks each time.
+METADATA_MAX_AGE_MS = 5000
+
+
+class StreamGone(SourceError):
+    """A topic (or a partition) the source reads was deleted while it ran."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what            # "topic 'clicks' was deleted", "partition clicks/3 is gone"
+        super().__init__(self._message("the records trained before are in the run's checkpoints"))
+
+    def checkpointed_at(self, path: str) -> None:
+        """Name the checkpoint that holds what was trained (the run writes one before it stops)."""
+        self.args = (self._message(f"what was trained is checkpointed at {path}"),)
+
+    def _message(self, kept: str) -> str:
+        return f"kafka: {self.what} while training: {kept}; recreate it or point the run at another topic"
 
 
 def topic_partition(name: str):
@@ -50,7 +77,9 @@ def connect_consumer(url: KafkaUrl):
                 max_poll_records=o.max_poll_records, fetch_max_bytes=o.fetch_max_bytes,
                 max_partition_fetch_bytes=o.max_partition_fetch_bytes,
                 fetch_max_wait_ms=int(min(500, o.poll_timeout_s * 1000)),
-                session_timeout_ms=o.session_timeout_ms, heartbeat_interval_ms=o.heartbeat_interval_ms)
+                session_timeout_ms=o.session_timeout_ms, heartbeat_interval_ms=o.heartbeat_interval_ms,
+                metadata_max_age_ms=METADATA_MAX_AGE_MS)
+            _no_topic_creation(consumer)
         missing = [t for t in url.topics if not consumer.partitions_for_topic(t)]
     except KafkaError as e:
         raise SourceError(unreachable_message(url, e)) from None
@@ -60,6 +89,43 @@ def connect_consumer(url: KafkaUrl):
                           f"{','.join(url.bootstrap)} (create it, e.g. with "
                           f"`stream-ctr replay FILE --to {url.text} --partitions N`)")
     return consumer
+
+
+def _no_topic_creation(consumer) -> None:
+    """kafka-python 3.0 does not hand `allow_auto_create_topics` to its metadata client,
+    so every metadata request of the subscribed topics asked the broker to create them:
+    a topic deleted mid-stream came back (empty, with the broker's default partition
+    count) and the trainer went on reading it.  Set it where the requests are built."""
+    cluster = getattr(getattr(consumer, "_client", None), "cluster", None)
+    if cluster is not None and "allow_auto_create_topics" in getattr(cluster, "config", {}):
+        cluster.config["allow_auto_create_topics"] = False
+
+
+def missing_partitions(consumer, names: Iterable[str], fresh: bool = False) -> tuple[set[str], str]:
+    """The partitions of `names` ("topic/p") that the broker's metadata does not list
+    (their topic was deleted, or has fewer partitions now), and what that is in words
+    ("topic 'a' was deleted", "partition a/3 is gone ('a' has 2 now)").
+
+    kafka-python answers from its metadata (at most `METADATA_MAX_AGE_MS` old; a topic
+    it lacks is asked for at once), or from a request sent now when `fresh`; the
+    confluent backend always asks.  A KafkaError when the broker cannot answer."""
+    by_topic: dict[str, list[str]] = {}
+    for name in names:
+        by_topic.setdefault(split_partition_name(name)[0], []).append(name)
+    if fresh and by_topic:
+        consumer.topics()
+    missing, words = set(), []
+    for topic, of_topic in sorted(by_topic.items()):
+        listed = consumer.partitions_for_topic(topic) or set()
+        gone = sorted((n for n in of_topic if split_partition_name(n)[1] not in listed),
+                      key=lambda n: split_partition_name(n)[1])
+        missing.update(gone)
+        if gone and not listed:
+            words.append(f"topic {topic!r} was deleted")
+        elif gone:
+            words.append(f"partition{'s' if len(gone) > 1 else ''} {', '.join(gone)} "
+                         f"{'are' if len(gone) > 1 else 'is'} gone ({topic!r} has {len(listed)} now)")
+    return missing, "; ".join(words)
 
 
 def _confluent_consumer(url: KafkaUrl):

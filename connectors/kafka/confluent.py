@@ -26,6 +26,15 @@ clients.  Differences that matter, and how they are bridged:
   discards messages fetched before a seek (its fetch version changes).
 - The high watermark comes from librdkafka's cache, updated by every fetch
   response (like kafka-python's ``highwater``).
+- ``partitions_for_topic`` and ``topics`` ask the broker every time (bounded
+  by kafka.connect_timeout_s); kafka-python answers from its metadata cache.
+
+Known: on tansu, deleting a topic this consumer fetches crashes librdkafka
+2.16 (SIGSEGV in ``rd_kafka_metadata_update_op``: tansu's fetch reply for the
+deleted topic carries a leader hint under a null topic id, which librdkafka
+looks up by a NULL name).  The trainer dies before the source can report
+`StreamGone`; its last checkpoint stands, and a restart says the topic does
+not exist.  kafka-python reports the deletion (`StreamGone`).
 """
 from __future__ import annotations
 
@@ -140,15 +149,28 @@ class ConfluentConsumer:
 
     # -- metadata ------------------------------------------------------------
     def partitions_for_topic(self, topic: str) -> set[int] | None:
-        from confluent_kafka import KafkaException
+        """The topic's partitions; None if the broker says it does not exist.  Any other
+        error (the broker away, say) raises: it says nothing about the topic."""
+        from confluent_kafka import KafkaError, KafkaException
         try:
             meta = self._consumer.list_topics(topic, timeout=self._timeout_s)
         except KafkaException as e:
             raise _kafka_error(e, "metadata") from None
         t = meta.topics.get(topic)
-        if t is None or t.error is not None or not t.partitions:
+        if t is None or (t.error is not None and t.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
             return None
-        return set(t.partitions)
+        if t.error is not None:
+            raise _kafka_error(Exception(t.error), f"metadata of {topic}")
+        return set(t.partitions) or None
+
+    def topics(self) -> set[str]:
+        """Every topic the broker lists (a metadata request now, as kafka-python's)."""
+        from confluent_kafka import KafkaException
+        try:
+            meta = self._consumer.list_topics(timeout=self._timeout_s)
+        except KafkaException as e:
+            raise _kafka_error(e, "metadata") from None
+        return set(meta.topics)
 
     # -- group membership ----------------------------------------------------
     def subscribe(self, topics: list[str], listener) -> None:

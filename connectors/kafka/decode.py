@@ -21,12 +21,22 @@ picked out of the objects by a list comprehension and the values are joined
 into the format's text lines (still no per-record Python call of ours).  A row's `Batch.offset` is the *Kafka offset of its message*
 (the rows of a packed message share it) and `Batch.partition` indexes
 ``"topic/partition"`` names.
+
+What is not a record is rejected at its message's offset, never raised: a
+null value (a tombstone: a delete on a compacted topic, or a key-only
+message) as ``tombstone``, an empty one as ``empty_message`` (``bad_json``
+under value=json: it is no JSON object), and a value that makes a decoder
+raise (seen: JSON nested deeper than Python's recursion limit) as
+``undecodable`` with the error as its detail -- the fetch is then decoded in
+halves, down to that message, so its other messages train as usual.  Raised,
+one such message would stop the stream, and again at every restart.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from operator import itemgetter
+from itertools import repeat
+from operator import is_, itemgetter
 
 import numpy as np
 
@@ -37,6 +47,8 @@ from stream_ctr.connectors.kafka.schema_messages import decode_schema_messages
 from stream_ctr.connectors.schema import Schema
 
 EMPTY_MESSAGE, BAD_JSON = "empty_message", "bad_json"
+TOMBSTONE, UNDECODABLE = "tombstone", "undecodable"
+TOMBSTONE_DETAIL = "the message value is null (a delete on a compacted topic, or a key-only message)"
 _SLACK = bytes(8)                   # after the joined values: the decoder's word reads stay inside
 
 
@@ -48,17 +60,65 @@ class DecodedMessages:
     line_in_message: np.ndarray     # int64 [B]: 0-based line of each row inside its message
 
 
-def decode_messages(values: list[bytes], msg_partition: np.ndarray, msg_offset: np.ndarray,
+def decode_messages(values: list[bytes | None], msg_partition: np.ndarray, msg_offset: np.ndarray,
                     msg_time_ms: np.ndarray, partitions: tuple[str, ...], fmt: RecordFormat | Schema,
                     value_format: str = "text") -> DecodedMessages:
     """Decode message `values` (message i is at `msg_offset[i]` of partition
-    `partitions[msg_partition[i]]`, produced at `msg_time_ms[i]`).
+    `partitions[msg_partition[i]]`, produced at `msg_time_ms[i]`); never raises
+    for a value.
 
     Rows of formats without an event time (Criteo) get the message timestamp.
     Nothing is dropped silently: every line is a row or a `Rejected`; a
-    message with no line at all is rejected as ``empty_message``.  Empty
+    message with no line at all is rejected as ``empty_message`` (a null value
+    as ``tombstone``), one a decoder cannot take as ``undecodable``.  Empty
     lines (a message's trailing LF, blank lines) are no records.
     """
+    values, tombstones = _fill_tombstones(values, value_format)
+    decoded = _decode_apart(values, msg_partition, msg_offset, msg_time_ms, partitions, fmt, value_format)
+    if len(tombstones):
+        at = {(partitions[p], o)
+              for p, o in zip(msg_partition[tombstones].tolist(), msg_offset[tombstones].tolist())}
+        decoded.rejected = [Rejected(r.partition, r.offset, TOMBSTONE, b"", TOMBSTONE_DETAIL)
+                            if (r.partition, r.offset) in at else r for r in decoded.rejected]
+    return decoded
+
+
+def _fill_tombstones(values: list[bytes | None], value_format: str) -> tuple[list[bytes], np.ndarray]:
+    """`values` with every null value replaced by one that decodes to no record, and
+    the indices of the nulls.  (JSON gets ``null``, not an empty value, which would
+    make the whole fetch's one-array parse fail and parse message by message.)"""
+    if None not in values:                      # one scan in C: the usual case
+        return values, np.zeros(0, dtype=np.int64)
+    null = np.fromiter(map(is_, values, repeat(None)), dtype=bool, count=len(values))
+    filled = np.empty(len(values), dtype=object)
+    filled[:] = values
+    filled[null] = b"null" if value_format == "json" else b""
+    return filled.tolist(), np.flatnonzero(null)
+
+
+def _decode_apart(values: list[bytes], msg_partition: np.ndarray, msg_offset: np.ndarray,
+                  msg_time_ms: np.ndarray, partitions: tuple[str, ...], fmt: RecordFormat | Schema,
+                  value_format: str) -> DecodedMessages:
+    """`_decode` the run; if a decoder raises, decode each half the same way, so
+    only the messages that raise by themselves are rejected (as ``undecodable``)."""
+    try:
+        return _decode(values, msg_partition, msg_offset, msg_time_ms, partitions, fmt, value_format)
+    except Exception as e:      # noqa: BLE001 - a value no decoder takes must not stop the stream
+        if len(values) == 1:
+            return DecodedMessages(Batch.empty(fmt.n_keys, fmt.n_dense, partitions, fmt.pooling),
+                                   [Rejected(partitions[msg_partition[0]], int(msg_offset[0]), UNDECODABLE,
+                                             values[0], f"{type(e).__name__}: {e}"[:500])],
+                                   np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    half = len(values) // 2
+    a, b = (_decode_apart(values[s], msg_partition[s], msg_offset[s], msg_time_ms[s], partitions, fmt,
+                          value_format) for s in (slice(0, half), slice(half, None)))
+    return DecodedMessages(Batch.concat([a.batch, b.batch]), a.rejected + b.rejected,
+                           np.concatenate([a.rows_per_message, b.rows_per_message]),
+                           np.concatenate([a.line_in_message, b.line_in_message]))
+
+
+def _decode(values: list[bytes], msg_partition: np.ndarray, msg_offset: np.ndarray, msg_time_ms: np.ndarray,
+            partitions: tuple[str, ...], fmt: RecordFormat | Schema, value_format: str) -> DecodedMessages:
     if isinstance(fmt, Schema):                     # a declared schema: its encoding decides
         return DecodedMessages(*decode_schema_messages(values, msg_partition, msg_offset, msg_time_ms,
                                                        partitions, fmt))

@@ -57,7 +57,9 @@ class KafkaOptions:
     max_partition_fetch_bytes: int = 16 << 20
     max_buffered_records: int = 262144         # decoded, undelivered rows before partitions pause
     poll_timeout_s: float = 0.5                # longest a read() waits for records
-    session_timeout_ms: int = 30000            # tansu joins a group after half of this
+    # A killed trainer's restart waits up to this for the group to drop its old member
+    # (a stopped one leaves the group); tansu admits any member only after half of it.
+    session_timeout_ms: int = 30000
     heartbeat_interval_ms: int = 3000
     connect_timeout_s: float = 10.0            # start-up: broker unreachable -> error after this
     reconnect_backoff_max_s: float = 10.0      # mid-stream outage: retry interval grows to this

@@ -7,45 +7,46 @@ A dead-letter message is one rejected record::
              "reason": "bad_integer", "raw": "0\\t1\\tx\\t..."}
     headers reason, source_partition, source_offset
 
-As in the dead-letter file, schema decoders add a "detail" (the field and
-value), and a record that is not valid UTF-8 also gets "raw_b64", its exact
-bytes in base64 (`raw` shows them as U+FFFD).
+As in the dead-letter file (connectors/dead_letter.py), schema decoders add a
+"detail" (the field and value), a record that is not valid UTF-8 also gets
+"raw_b64", its exact bytes in base64 (`raw` shows them as U+FFFD), and a record
+longer than `data.dead_letter_max_bytes` keeps only its first bytes, with
+``"raw_truncated": true``, ``"raw_bytes"`` and ``"raw_sha256"`` of the whole:
+one oversized bad line must not make a message the broker refuses (JSON
+escaping can grow a line sixfold), which would stop the stream at that record
+on every restart.  The whole record stays at its partition/offset in the
+source topic.
 
 `offset` is the Kafka offset of the message the record was in (the lines of
 a packed message share it).  `write()` returns only once the broker has
 acknowledged every record (retrying through outages), so a record is never
-checkpointed past without being on the dead-letter topic.  It is at-least-once:
-records re-read after a crash are dead-lettered again.  A stop asked for while
-it retries (SIGTERM with the broker down) ends the wait with `DeadLetterUnsent`:
-the batch those records came with is not trained, so the checkpoint stays
-before them and a resumed run reads them again.
-
-A record longer than `RAW_LIMIT_BYTES` keeps only its first bytes in `raw`
-(and `raw_b64`), with ``"raw_bytes"`` (its length) and ``"raw_sha256"``, and
-`detail` is cut at `DETAIL_LIMIT_CHARS`: one oversized bad line must not make
-a message the broker refuses (JSON escaping can grow a line sixfold), which
-would stop the stream at that record on every restart.  The
-whole record stays at its partition/offset in the source topic.  An error the
-broker will not get over by retrying (a message too large for it, no
-permission to write the topic) is a `SourceError` naming the topic, not an
-endless retry.
+checkpointed past without being on the dead-letter topic.  Across restarts a
+record is dead-lettered once (`ExactlyOnceDeadLetter`): a checkpoint records
+the topic's end offsets (`position`), and a resumed run reads back what was
+produced after them (`entries_since`) and does not produce it again.  A stop
+asked for while it retries (SIGTERM with the broker down) ends the wait with
+`DeadLetterUnsent`: the batch those records came with is not trained, so the
+checkpoint stays before them and a resumed run reads them again (and finds
+those that landed after all).  An error the broker will not get over by
+retrying (a message too large for it, no permission to write the topic) is a
+`SourceError` naming the topic, not an endless retry.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
 from collections import Counter
 
 from stream_ctr.connectors.batch import Rejected
-from stream_ctr.connectors.dead_letter import raw_fields
+from stream_ctr.connectors.dead_letter import DETAIL_LIMIT_CHARS, RAW_LIMIT_BYTES, Entry, record_fields
 from stream_ctr.connectors.files import SourceError
 from stream_ctr.connectors.kafka.options import KafkaUrl, client_config, split_partition_name
 
 log = logging.getLogger("stream_ctr.connectors.kafka")
-RAW_LIMIT_BYTES = 64 << 10        # of a rejected record kept in its dead-letter message
-DETAIL_LIMIT_CHARS = 1024         # of its detail (decoders keep theirs short; this is the cap)
+# RAW_LIMIT_BYTES and DETAIL_LIMIT_CHARS (imported above) are the caps of every sink.
+READ_BACK_TIMEOUT_S = 60.0        # reading the topic back on resume: longest wait without a record
+READ_BACK_QUIET_POLLS = 2         # ... done after this many empty polls (of 1 s) at its reported end
 # The broker no longer knows this (idempotent) producer's sequence numbers -- a broker
 # restart that kept the log but not the producer state (tansu does that): a new
 # producer (a new producer id) sends the records again.
@@ -126,9 +127,11 @@ def create_topic(url: KafkaUrl, topic: str, partitions: int) -> bool:
 class KafkaDeadLetter:
     """Rejected records produced to a dead-letter topic; same interface as DeadLetterFile."""
 
-    def __init__(self, url: KafkaUrl, topic: str) -> None:
+    def __init__(self, url: KafkaUrl, topic: str, max_raw_bytes: int | None = None) -> None:
         self.topic = topic
         self.path = f"kafka://{','.join(url.bootstrap)}/{topic}"
+        self.name = self.path
+        self.max_raw_bytes = RAW_LIMIT_BYTES if max_raw_bytes is None else max_raw_bytes
         self._retry_max_s = url.options.reconnect_backoff_max_s
         if not topic_partitions(url, topic) and create_topic(url, topic, 1):
             log.info("kafka: created dead-letter topic %s", topic)
@@ -136,6 +139,8 @@ class KafkaDeadLetter:
         self._producer = make_producer(url, acks="all", linger_ms=0)
         self.counts: Counter[str] = Counter()
         self._unsent = 0                # records a stop left unacknowledged (see write)
+        self._ends: dict[int, int] | None = None   # the topic's end offsets, read once (position)
+        self._acked: dict[int, int] = {}           # partition -> after the last record acknowledged
 
     def write(self, rejected: list[Rejected], stop=None) -> None:
         """Produce the records; blocks until the broker acknowledged all of them.
@@ -160,6 +165,10 @@ class KafkaDeadLetter:
                     failed.append((r, e))
             self._flush(len(pending), stop)
             failed += [(r, future.exception) for r, future in sends if future.failed()]
+            for _, future in sends:
+                if future.succeeded():
+                    meta = future.value
+                    self._acked[meta.partition] = max(self._acked.get(meta.partition, 0), meta.offset + 1)
             stale = [type(e).__name__ for _, e in failed if type(e).__name__ in _PRODUCER_STATE_ERRORS]
             if stale:
                 log.warning("kafka: dead-letter topic %s: the broker lost this producer's state (%s; "
@@ -174,7 +183,8 @@ class KafkaDeadLetter:
                 raise SourceError(
                     f"dead-letter topic {self.topic}: the broker refuses the record from "
                     f"{r.partition} offset {r.offset} ({type(e).__name__}: {e}); fix the topic's "
-                    f"permissions or size limits, or set kafka.dead_letter_topic = \"\" to write "
+                    f"permissions or size limits, lower data.dead_letter_max_bytes (now "
+                    f"{self.max_raw_bytes:,}), or set kafka.dead_letter_topic = \"\" to write "
                     f"rejected records to the run's dead-letter file")
             pending = [r for r, _ in failed]
             if pending:
@@ -205,15 +215,91 @@ class KafkaDeadLetter:
 
     def _send(self, r: Rejected):
         topic, partition = split_partition_name(r.partition)
-        value = {"topic": topic, "partition": partition, "offset": r.offset, "reason": r.reason,
-                 **({"detail": r.detail[:DETAIL_LIMIT_CHARS]} if r.detail else {}),
-                 **raw_fields(r.raw, RAW_LIMIT_BYTES)}
-        if len(r.raw) > RAW_LIMIT_BYTES:
-            value.update(raw_bytes=len(r.raw), raw_sha256=hashlib.sha256(r.raw).hexdigest())
+        value = {"topic": topic, "partition": partition, "offset": r.offset,
+                 **record_fields(r, self.max_raw_bytes)}
         return self._producer.send(
             self.topic, key=r.partition.encode(), value=json.dumps(value, ensure_ascii=False).encode(),
             headers=[("reason", r.reason.encode()), ("source_partition", r.partition.encode()),
                      ("source_offset", str(r.offset).encode())])
+
+    def position(self) -> dict[str, int]:
+        """Where the topic ends, per partition: past every record this sink had acknowledged
+        (no broker request after the first: a checkpoint during an outage needs none).  A
+        partition this process did not write to ends where the read-back (or the broker's
+        reported end offsets, which may lag its log) left it: never past its true end, so
+        a resume reads back at worst some records more."""
+        if self._ends is None:
+            self._ends = self._end_offsets()
+        ends = dict(self._ends)
+        for p, after in self._acked.items():
+            ends[p] = max(ends.get(p, 0), after)
+        return {str(p): n for p, n in sorted(ends.items())}
+
+    def _consumer(self):
+        from kafka import KafkaConsumer
+        from kafka.errors import KafkaError
+        from stream_ctr.connectors.kafka.client import unreachable_message
+        try:
+            return KafkaConsumer(**client_config(self._url), group_id=None, enable_auto_commit=False,
+                                 auto_offset_reset="earliest", allow_auto_create_topics=False)
+        except KafkaError as e:
+            raise SourceError(unreachable_message(self._url, e)) from None
+
+    def _end_offsets(self) -> dict[int, int]:
+        from kafka import TopicPartition
+        from kafka.errors import KafkaError
+        n = topic_partitions(self._url, self.topic)
+        consumer = self._consumer()
+        try:
+            ends = consumer.end_offsets([TopicPartition(self.topic, p) for p in range(n)])
+        except KafkaError as e:
+            raise SourceError(f"dead-letter topic {self.topic}: cannot read its end offsets "
+                              f"({type(e).__name__}: {e})") from None
+        finally:
+            consumer.close(autocommit=False)
+        return {tp.partition: int(offset) for tp, offset in ends.items()}
+
+    def entries_since(self, position: dict[str, int]) -> list[Entry]:
+        """The records the topic holds past `position` (a `position()` of an earlier run),
+        read back from their headers; SourceError if the broker does not hand them over.
+
+        Read until the broker has nothing more, not to its reported end offsets: a broker
+        may report them behind its log (tansu on s3:// storage did, by 8 of 15 records)."""
+        from kafka import TopicPartition
+        from kafka.errors import KafkaError
+        n = topic_partitions(self._url, self.topic)
+        consumer = self._consumer()
+        out: list[Entry] = []
+        try:
+            tps = [TopicPartition(self.topic, p) for p in range(n)]
+            reported, firsts = consumer.end_offsets(tps), consumer.beginning_offsets(tps)
+            consumer.assign(tps)
+            for tp in tps:
+                consumer.seek(tp, max(position.get(str(tp.partition), 0), firsts[tp]))
+            quiet, waited_since = 0, time.monotonic()
+            while quiet < READ_BACK_QUIET_POLLS:
+                polled = consumer.poll(timeout_ms=1000)
+                got = sum(map(len, polled.values()))
+                for records in polled.values():
+                    out += [e for e in map(_identity, records) if e is not None]
+                behind = any(consumer.position(tp) < reported[tp] for tp in tps)
+                if got:
+                    quiet, waited_since = 0, time.monotonic()
+                elif not behind:
+                    quiet += 1
+                elif time.monotonic() - waited_since > READ_BACK_TIMEOUT_S:
+                    raise SourceError(
+                        f"dead-letter topic {self.topic}: the broker did not hand over its records "
+                        f"after the run's checkpoint in {READ_BACK_TIMEOUT_S:.0f} s (needed so that "
+                        f"none is dead-lettered twice); check the broker and resume again")
+            self._ends = {tp.partition: max(consumer.position(tp), int(reported[tp])) for tp in tps}
+        except KafkaError as e:
+            raise SourceError(f"dead-letter topic {self.topic}: cannot read back the records "
+                              f"produced after the run's checkpoint ({type(e).__name__}: {e}); "
+                              f"check the broker and resume again") from None
+        finally:
+            consumer.close(autocommit=False)
+        return out
 
     @property
     def total(self) -> int:
@@ -238,3 +324,18 @@ class KafkaDeadLetter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _identity(record) -> Entry | None:
+    """(source partition, offset, epoch 0) of a dead-letter message, from its headers or its
+    value; None for a message that is not one of ours."""
+    headers = dict(record.headers or [])
+    try:
+        return headers["source_partition"].decode(), int(headers["source_offset"]), 0
+    except (KeyError, ValueError, UnicodeDecodeError, AttributeError):
+        pass
+    try:
+        value = json.loads(record.value)
+        return f"{value['topic']}/{value['partition']}", int(value["offset"]), 0
+    except (KeyError, ValueError, TypeError):
+        return None

@@ -53,6 +53,35 @@ when it goes away and one when it is back) and ``read()`` keeps returning
 empty batches, so the trainer can still stop on a signal.  At start-up an
 unreachable broker or a missing topic is a `SourceError`.
 
+Deleted topics.  Every `PROBE_EVERY_S` (and before a stream ends idle) the
+source checks that the broker's metadata still lists every partition it reads
+(`client.missing_partitions`).  One missing is logged, left unpositioned and
+uncommitted; missing for `TOPIC_GONE_AFTER_S` it is `StreamGone` (a
+`SourceError`), raised from ``read()`` or ``exhausted``, so a deleted topic
+never looks like an idle stream that ended.  The trainer checkpoints what it
+trained before the error leaves the run.  (A topic recreated within that time,
+as after a broker restart without its data, is waited out like an outage.)
+
+Messages that are no record.  A null value (a tombstone), an empty value, or
+one a decoder cannot take is rejected at its offset (`kafka_decode`); once
+``read()`` has handed the reject out, the resume position passes the message
+like a fully trained one (`PositionBook.no_rows`), so a restart does not read it
+again.
+
+Joining the group.  A member that did not leave the group (this trainer's
+previous process, killed) keeps its partitions until the broker's session
+timeout drops it; only then is this one assigned.  Waiting longer than
+`JOIN_NOTICE_S` for the first assignment is logged once, with how long it may
+take.  ``close()`` leaves the group (kafka-python and librdkafka send
+LeaveGroup), so a restart after SIGTERM or Ctrl-C does not wait for it.
+Measured on tansu with kafka.session_timeout_ms = 10 s (30 s), both clients
+alike: a first join 5.3 s (15 s; tansu admits a member after half the
+timeout), a restart after a clean stop 5.3 s (15 s), after SIGKILL 18 s
+(54 s).  Static membership (``group_instance_id``) made the restart after
+SIGKILL 18 s at 30 s, but every other join slower (18 s), and a static member
+does not leave the group when it stops, so a stopped trainer's partitions would
+wait out its session in a group of several trainers: not used.
+
 Decoding overlaps fetching.  A polled run of messages is decoded on a worker
 thread (`decode_messages` is numpy, which releases the GIL; two runs may be
 decoded at once) while the caller's thread goes on with kafka-python: when
@@ -94,7 +123,8 @@ import numpy as np
 from stream_ctr.connectors.batch import Batch, Positions, Rejected
 from stream_ctr.connectors.files import SourceError
 from stream_ctr.connectors.formats import RecordFormat
-from stream_ctr.connectors.kafka.client import BrokerWatch, connect_consumer
+from stream_ctr.connectors.kafka.client import (PROBE_EVERY_S, BrokerWatch, StreamGone, connect_consumer,
+                                                missing_partitions)
 from stream_ctr.connectors.kafka.client import topic_partition as _tp
 from stream_ctr.connectors.kafka.decode import decode_messages, event_order
 from stream_ctr.connectors.kafka.listener import Listener
@@ -115,6 +145,12 @@ _DECODE_THREADS = 2
 # run: long enough for a fetch response in flight to arrive, short enough that
 # a finished decode is not kept waiting long when nothing more comes.
 _PREFETCH_WAIT_S = 0.01
+# A partition missing from the broker's metadata this long is gone (`StreamGone`).  Not
+# at once: a broker restarted without its data (tansu with memory storage) lists no
+# topic until whoever runs it recreates them, and that is an outage the source waits out.
+TOPIC_GONE_AFTER_S = 5.0
+# Waiting this long for the group's first assignment is worth a line (see the module doc).
+JOIN_NOTICE_S = 5.0
 
 
 @dataclass
@@ -189,11 +225,16 @@ class KafkaSource:
         self._listener_error: BaseException | None = None
         self._highwater: dict[str, int] = {}         # per partition, from the last fetch response
         self._offsets_unreadable_since: float | None = None   # the group's offsets fail to load since
+        self._missing: set[str] = set()              # partitions the broker's metadata did not list
+        self._missing_since: float | None = None
+        self._next_stream_check = 0.0
+        self._all_listed_at = float("-inf")          # the last fresh look that found every partition
         self._consumer = connect_consumer(url)
         # Every partition of the topics at start (connect_consumer checked they exist).
         self.partition_names: tuple[str, ...] = tuple(
             partition_name(t, p) for t in url.topics for p in sorted(self._consumer.partitions_for_topic(t)))
         self._consumer.subscribe(list(url.topics), listener=Listener(self))
+        self._join_wait_since: float | None = time.monotonic()     # until the first assignment
 
     # -- the source contract ------------------------------------------------
     def read(self, max_records: int | None = None) -> tuple[Batch, list[Rejected]]:
@@ -220,11 +261,16 @@ class KafkaSource:
     def exhausted(self) -> bool:
         """A stream ends only after `options.stop_when_idle_s` without records
         (counted from the group's first assignment; not during outages or
-        rebalances, nor while rows are buffered)."""
+        rebalances, nor while rows are buffered), and only while the broker
+        still lists every partition it reads: a deleted topic is no idle
+        stream (`StreamGone`, raised once it has been missing `TOPIC_GONE_AFTER_S`)."""
         idle = self.options.stop_when_idle_s
-        return bool(idle) and self._joined and not self._buffered and not self._decoding \
-            and not self._watch.in_outage \
-            and not self._unpositioned and time.monotonic() - self._idle_since >= idle
+        if not (bool(idle) and self._joined and not self._buffered and not self._decoding
+                and not self._watch.in_outage
+                and not self._unpositioned and time.monotonic() - self._idle_since >= idle):
+            return False
+        now = time.monotonic()      # (asked again right after the batches ended: the same answer)
+        return now - self._all_listed_at < PROBE_EVERY_S or self._check_streams(now, fresh=True)
 
     def snapshot(self) -> Positions:
         """Resume positions after the last row `read` returned, for owned partitions."""
@@ -276,7 +322,8 @@ class KafkaSource:
         retrying for up to `options.commit_timeout_s`.  False if it did not succeed
         (logged; the checkpoint still holds the truth, the next commit catches up)."""
         from kafka.errors import CommitFailedError, KafkaError
-        offsets = self._offsets(from_positions(positions))
+        # A partition the broker no longer lists would be retried for commit_timeout_s.
+        offsets = self._offsets({n: p for n, p in from_positions(positions).items() if n not in self._missing})
         if not offsets:
             return True
         deadline = time.monotonic() + self.options.commit_timeout_s
@@ -356,6 +403,21 @@ class KafkaSource:
         if self._listener_error is not None:
             error, self._listener_error = self._listener_error, None
             raise error
+        now = time.monotonic()
+        if self._watch.in_outage:       # what the broker listed before it went away says nothing now
+            self._missing, self._missing_since = set(), None
+        elif now >= self._next_stream_check:
+            self._next_stream_check = now + PROBE_EVERY_S
+            self._check_streams(now)
+        if self._join_wait_since is not None and now - self._join_wait_since >= JOIN_NOTICE_S:
+            waited, self._join_wait_since = now - self._join_wait_since, None
+            log.warning("kafka: waiting for group %r to assign partitions (%.0f s so far): a member "
+                        "that did not leave the group, such as this trainer's previous process if "
+                        "it was killed, holds them until the broker drops it, up to "
+                        "kafka.session_timeout_ms (%.0f s; tansu also takes half of that to admit "
+                        "any member). A trainer stopped by SIGTERM or Ctrl-C leaves the group, so "
+                        "its restart does not wait for it", self.options.group, waited,
+                        self.options.session_timeout_ms / 1000)
         if self._unpositioned:
             self._position_new_partitions()
         n = self._accept(fetched)
@@ -403,7 +465,7 @@ class KafkaSource:
         self._decoding.append(_Decoding(future, names, msg_partition, msg_offset, len(values),
                                         int(len(values) * self._rows_per_message)))
         self.stats.messages += len(values)
-        self.stats.bytes += sum(map(len, values))
+        self.stats.bytes += sum(map(len, filter(None, values)))    # a tombstone's value is None
         return len(values)
 
     def _rows_decoding(self) -> int:
@@ -498,10 +560,14 @@ class KafkaSource:
                  "lost (group membership expired)" if lost else "revoked by a rebalance")
         if self._on_revoke is not None:
             self._on_revoke(names, lost)
-        return {} if lost else self._offsets(positions, owned_only=False)
+        if lost:
+            return {}
+        return self._offsets({n: p for n, p in positions.items() if n not in self._missing}, owned_only=False)
 
     def _on_assigned(self, tps: set) -> None:
         names = {partition_name(tp.topic, tp.partition) for tp in tps}
+        self._join_wait_since = None
+        self._next_stream_check = 0.0       # a changed topic makes the group rebalance: look now
         self._unpositioned |= names - set(self._book.owned())
         if tps:
             self._assignments += 1
@@ -517,6 +583,8 @@ class KafkaSource:
         from kafka.errors import KafkaError
         if self.peers_wanted:               # paused until the job's next exchange
             return
+        if self._missing & self._unpositioned:
+            return      # deleted? `_check_streams` decides; asking for their offsets would block
         names = sorted(self._unpositioned)
         try:
             committed = {n: self._consumer.committed(_tp(n), metadata=True) for n in names}
@@ -549,6 +617,35 @@ class KafkaSource:
         if not self._backpressure:
             self._consumer.resume(*[_tp(n) for n in names])
         self._idle_since = time.monotonic()
+
+    # -- deleted topics (see connectors/kafka/client.py) -------------------------
+    def _check_streams(self, now: float, fresh: bool = False) -> bool:
+        """Whether the broker's metadata lists every partition this source reads
+        (False also when the broker cannot answer).  One missing for
+        `TOPIC_GONE_AFTER_S` raises `StreamGone`; until then it is logged once and
+        left alone (not positioned, not committed)."""
+        from kafka.errors import KafkaError
+        names = set(self.partition_names) | set(self._book.owned()) | self._unpositioned
+        try:
+            missing, what = missing_partitions(self._consumer, names, fresh)
+        except KafkaError:
+            return False
+        self._missing = missing
+        if not missing:
+            if fresh:
+                self._all_listed_at = now
+            if self._missing_since is not None:
+                log.warning("kafka: the broker lists every partition again after %.1f s; training "
+                            "continues", now - self._missing_since)
+            self._missing_since = None
+            return True
+        if self._missing_since is None:
+            self._missing_since = now
+            log.warning("kafka: %s (the broker's metadata no longer lists it); the run stops in "
+                        "%.0f s unless it comes back", what, TOPIC_GONE_AFTER_S)
+        elif now - self._missing_since >= TOPIC_GONE_AFTER_S:
+            raise StreamGone(what)
+        return False
 
     def _choose_position(self, name: str, group: Position | None, start: Position | None) -> Position:
         if name in self._initial:

@@ -26,7 +26,7 @@ from stream_ctr.chaos.disk import SmallDisk, wait_for_exit
 from stream_ctr.chaos.schedule import (BROKER_RESTART, DISK_FULL, KILL, KILL_IN_CHECKPOINT, KILL_IN_REBALANCE,
                                        MEMBER_JOIN, PAUSE, Fault, ScheduleSpec, make_schedule)
 from stream_ctr.chaos.stream import StreamProducer
-from stream_ctr.chaos.verify import Check, verify_run
+from stream_ctr.chaos.verify import Check, dead_letter_topic, verify_run
 
 # Test-sized group timeouts: tansu admits a member after half the session timeout.
 KAFKA_SETTINGS = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000, "reconnect_backoff_max_s": 1.0,
@@ -76,13 +76,15 @@ class ChaosReport:
 
 
 def trainer_command(cfg: ChaosConfig, bootstrap: str, topic: str, group: str, run_dir: Path,
-                    checkpoint_dir: Path | None = None) -> list[str]:
-    """The one command line that starts and restarts a run."""
+                    checkpoint_dir: Path | None = None, reference: bool = False) -> list[str]:
+    """The one command line that starts and restarts a run (`reference`: the fault-free
+    run's, with a dead-letter topic of its own)."""
     cmd = [sys.executable, "-m", "stream_ctr", "train", f"kafka://{bootstrap}/{topic}?group={group}",
            "--resume", str(run_dir), "--batch-size", str(cfg.batch_size),
            "--checkpoint-every", str(cfg.checkpoint_every), "--stop-when-idle", str(cfg.stop_when_idle_s),
            "--threads", str(cfg.threads), "--store", cfg.store, "--set", "model.mlp_dims=32,32",
            "--set", "kafka.deterministic_batches=true", "--set", "data.max_batch_delay_s=1e9",
+           "--set", f"kafka.dead_letter_topic={dead_letter_topic(topic, reference)}",
            "--json", "--quiet"]
     for name, value in KAFKA_SETTINGS.items():
         cmd += ["--set", f"kafka.{name}={value}"]
@@ -316,8 +318,8 @@ reference on the same stream, verify."""
             say(f"chaos: last attempt ({trainers.started}): exit {code}, "
                 f"{summary.get('records_trained_total', '?')} records in the model")
             # The fault-free reference: the same command line, another group, the whole stream.
-            reference = Trainers(trainer_command(cfg, broker.bootstrap, topic, "reference", work / "reference"),
-                                 logs, "reference")
+            reference = Trainers(trainer_command(cfg, broker.bootstrap, topic, "reference", work / "reference",
+                                                 reference=True), logs, "reference")
             ref_code, ref_summary = reference.finish(FINISH_TIMEOUT_S)
             say(f"chaos: fault-free reference: exit {ref_code}, "
                 f"{ref_summary.get('records_trained_total', '?')} records in {ref_summary.get('seconds', 0):.1f} s")

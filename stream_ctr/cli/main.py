@@ -3,7 +3,10 @@
 
 Every command ends with a one-line human summary on stdout; with `--json` that
 line is a JSON object instead (the last line of stdout). Errors a user can
-cause print one line `stream-ctr: error: ...` and exit with status 2.
+cause print one line `stream-ctr: error: ...` and exit with the status of
+their kind (EXIT_* below, README "Exit codes"): e.g. 3 for a damaged file,
+after `train` checkpointed the lines before the damage; 5 (EXIT_EMPTY, with a
+warning naming the file) when the source holds no records.
 """
 from __future__ import annotations
 
@@ -191,6 +194,17 @@ def _synth_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the ids, the teacher and the labels "
                    "(default 0; the same seed writes the same file)")
     p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids, criteo format (default 1.05)")
+    p.add_argument("--interaction", type=float, default=1.0,
+                   help="criteo format: std (logit units) of the teacher's FM-style pairwise interactions "
+                        "of hidden per-id vectors; 0 = the additive teacher, where a linear model "
+                        "suffices (default 1.0)")
+    p.add_argument("--interaction-dim", type=int, default=4, help="width of the hidden per-id vectors (default 4)")
+    p.add_argument("--nonlinear", type=float, default=0.0,
+                   help="std of a hidden tanh network's term over the same vectors (default 0: none)")
+    p.add_argument("--fields", type=int, default=26,
+                   help="how many of C1..C26 carry signal; the rest are ids with no effect (default 26)")
+    p.add_argument("--vocab", type=int, default=10**6,
+                   help="cap on every field's cardinality (default 1,000,000; Criteo's own below it)")
     _add_common(p)
     p.set_defaults(func=cmd_synth)
 
@@ -313,6 +327,7 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from stream_ctr.connectors.files import DamagedFile
     from stream_ctr.train.loop import rejection_note, train
     if args.scale is not None:
         raise ConfigError("--scale was removed: give the batch that trains with --batch-size and "
@@ -354,6 +369,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from stream_ctr.cli.output import configure_logging
         configure_logging(args.quiet)
     from stream_ctr.distributed.context import launched_by_torchrun
+    damaged = None
     if args.distributed and not launched_by_torchrun():
         from stream_ctr.distributed.run import launch_local
         return launch_local(args.nproc_per_node, args.argv)
@@ -363,16 +379,31 @@ def cmd_train(args: argparse.Namespace) -> int:
         if int(os.environ["RANK"]) != 0:    # rank 0 prints the job's summary
             return 0
     else:
-        s = train(cfg, resume=args.resume, show_progress=not args.quiet)
-    test = (f"; test AUC {s.test['auc']:.4f} logloss {s.test['logloss']:.4f} "
+        try:
+            s = train(cfg, resume=args.resume, show_progress=not args.quiet)
+        except DamagedFile as e:    # what was read before the damage trained: summary, then the error
+            if e.summary is None:
+                raise
+            s, damaged = e.summary, e
+    test = (f"; test {_auc(s.test)} logloss {s.test['logloss']:.4f} "
             f"on {s.test['records']:,} held-out records") if s.test else ""
     rejected = (f"{s.records_rejected:,} rejected: {rejection_note(s.rejected_by_reason)}; see "
                 f"{s.dead_letter_path}") if s.records_rejected else "0 rejected"
+    scores = f"no records in {s.empty_source}" if s.empty_source else f"prequential {_auc(s.window)}"
     emit(args, s.as_dict(),
          f"trained {s.records_trained:,} records ({rejected}) in "
-         f"{s.seconds:.1f} s, {s.samples_per_s:,.0f} samples/s; prequential AUC "
-         f"{s.window.get('auc', float('nan')):.4f}{test}; checkpoint {s.checkpoint}")
-    return 0
+         f"{s.seconds:.1f} s, {s.samples_per_s:,.0f} samples/s; {scores}{test}; checkpoint {s.checkpoint}")
+    if damaged is not None:
+        raise damaged
+    return EXIT_EMPTY if s.empty_source else 0
+
+
+def _auc(acc: dict) -> str:
+    """'AUC 0.7812', or why there is none: no records, or one class only (AUC undefined)."""
+    auc = acc.get("auc", float("nan"))
+    if auc == auc:
+        return f"AUC {auc:.4f}"
+    return "AUC undefined (one class only)" if acc.get("records") else "AUC undefined (no records)"
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -384,15 +415,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                  schema=read_schema_file(args.schema) if args.schema else None)
     skipped = (f"; {result['rejected']:,} records did not decode and were not scored "
                f"({rejection_note(result['rejected_by_reason'])})") if result["rejected"] else ""
-    emit(args, result, f"AUC {result['auc']:.4f} logloss {result['logloss']:.4f} calibration "
-         f"{result['calibration']:.3f} on {result['records']:,} records: {result['rows']}, lines "
+    calibration = (f"{result['calibration']:.3f}" if result["calibration"] == result["calibration"]
+                   else "undefined (no clicks)")
+    emit(args, result, f"{_auc(result)} logloss {result['logloss']:.4f} calibration "
+         f"{calibration} on {result['records']:,} records: {result['rows']}, lines "
          f"{result['start']:,}-{result['stop']:,} of {result['source']} ({result['checkpoint']}){skipped}")
     return 0
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
     import time
-    from stream_ctr.connectors.synth import probs_path, write_synthetic_criteo
+    from stream_ctr.connectors.synth import Teacher, probs_path, write_synthetic_criteo
     from stream_ctr.connectors.synth_json import write_synthetic_json
     if args.records < 0:
         raise ConfigError(f"--records {args.records}: the number of rows to write must be >= 0")
@@ -401,8 +434,14 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if args.format == "json":
         n = write_synthetic_json(args.output, args.records, seed=args.seed, gzip=gzip)
     else:
-        n = write_synthetic_criteo(args.output, args.records, seed=args.seed, zipf_exponent=args.zipf,
-                                   gzip=gzip)
+        teacher = Teacher(seed=args.seed, zipf_exponent=args.zipf, vocab_per_field=args.vocab,
+                          fields=args.fields, interaction=args.interaction,
+                          interaction_dim=args.interaction_dim, nonlinear=args.nonlinear)
+        try:
+            teacher.check()
+        except ValueError as e:
+            raise ConfigError(f"synth: {e}") from None
+        n = write_synthetic_criteo(args.output, args.records, seed=args.seed, gzip=gzip, teacher=teacher)
     dt = time.perf_counter() - t0
     probs = str(probs_path(args.output))
     what = "JSON ad-log" if args.format == "json" else "Criteo"
@@ -438,12 +477,13 @@ EXIT_INTERNAL = 1   # a bug, or a lost peer rank: retrying may help, reporting i
 EXIT_USAGE = 2      # bad arguments or config (argparse uses 2 too): fix the command
 EXIT_DATA = 3       # the source: a missing or unreadable file, a broker that is gone
 EXIT_STATE = 4      # checkpoints, the embedding store, the run directory, a full disk
+EXIT_EMPTY = 5      # the source held no records (an empty file or gzip, a header alone): a warning
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    from stream_ctr.connectors.files import SourceError
+    from stream_ctr.connectors.files import EmptySource, SourceError
     from stream_ctr.connectors.schema import SchemaError
     from stream_ctr.train.checkpoint import CheckpointError
     from stream_ctr.distributed.context import DistributedError
@@ -464,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
         else:                             # our own messages (an export that would overwrite files)
             print(f"stream-ctr: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except EmptySource as e:
+        print(f"stream-ctr: warning: {e}", file=sys.stderr)
+        return EXIT_EMPTY
     except (SourceError, FileNotFoundError) as e:
         print(f"stream-ctr: error: {e}", file=sys.stderr)
         return EXIT_DATA

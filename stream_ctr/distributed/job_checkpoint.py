@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stream_ctr.train.checkpoint import CheckpointError, CheckpointState, load_checkpoint
+from stream_ctr.train.checkpoint import CheckpointError, CheckpointState, CorruptCheckpoint, load_checkpoint
 from stream_ctr.config import Config, ConfigError
 
 LATEST_JOB = "LATEST_JOB"
@@ -127,16 +127,45 @@ def find_job(path: str | Path) -> Path:
                           f"{JOB_FILE}), a checkpoint root (with {LATEST_JOB}) or a run directory")
 
 
+def read_job_manifest(job: Path) -> dict[str, Any]:
+    """The job manifest of job directory `job`, checked against the form `write_manifest`
+    writes before anything else reads it (each rank's checkpoint is then verified by
+    `load_checkpoint`). Raises CorruptCheckpoint naming the problem."""
+    def corrupt(problem: str) -> CorruptCheckpoint:
+        return CorruptCheckpoint(f"corrupt checkpoint {job}: {problem}")
+    try:
+        manifest = json.loads((job / JOB_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise corrupt(f"{JOB_FILE} cannot be read ({e})") from None
+    if not isinstance(manifest, dict):
+        raise corrupt(f"{JOB_FILE} is not a JSON object")
+    for key, kind in (("format_version", int), ("world_size", int), ("global_step", int),
+                      ("records_trained", int), ("ranks", list), ("config", dict)):
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
+            raise corrupt(f'{JOB_FILE} "{key}" is {manifest.get(key)!r}, not {"an integer" if kind is int else "a " + kind.__name__}')
+    if manifest["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(f"{job}: job format version {manifest['format_version']} "
+                              f"is not {FORMAT_VERSION}")
+    ranks = manifest["ranks"]
+    if manifest["world_size"] < 1 or len(ranks) != manifest["world_size"]:
+        raise corrupt(f'{JOB_FILE} lists {len(ranks)} ranks for a world size of {manifest["world_size"]}')
+    for r, entry in enumerate(ranks):
+        fields = (("rank", int), ("checkpoint", str), ("manifest_sha256", str), ("positions", dict),
+                  ("records_trained", int), ("trainer_step", int))
+        if not isinstance(entry, dict) or entry.get("rank") != r or not all(
+                isinstance(entry.get(k), kind) for k, kind in fields):
+            raise corrupt(f"{JOB_FILE}: the entry of rank {r} is not the one written for it")
+        ckpt = Path(entry["checkpoint"])
+        if ckpt.is_absolute() or ".." in ckpt.parts or ckpt.parts[:1] != (rank_dir_name(r),):
+            raise corrupt(f"{JOB_FILE}: rank {r}'s checkpoint {entry['checkpoint']!r} is not inside "
+                          f"its {rank_dir_name(r)} directory")
+    return manifest
+
+
 def open_job(path: str | Path, world_size: int) -> Job:
     """Read a job manifest; refuses a job written by a different number of ranks."""
     job = find_job(path)
-    try:
-        manifest = json.loads((job / JOB_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{job}/{JOB_FILE} unreadable: {e}") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{job}: job format version {manifest.get('format_version')} "
-                              f"is not {FORMAT_VERSION}")
+    manifest = read_job_manifest(job)
     n = manifest["world_size"]
     if n != world_size:
         raise ConfigError(
@@ -152,10 +181,10 @@ def rank_checkpoint(job: Job, rank: int) -> str:
     ckpt = job.path / entry["checkpoint"]
     manifest = ckpt / "manifest.json"
     if not manifest.exists():
-        raise CheckpointError(f"{job.path}: rank {rank}'s checkpoint {ckpt} is missing")
+        raise CorruptCheckpoint(f"corrupt checkpoint {job.path}: rank {rank}'s checkpoint {ckpt} is missing")
     if _sha256(manifest) != entry["manifest_sha256"]:
-        raise CheckpointError(f"{job.path}: rank {rank}'s checkpoint {ckpt} is not the one "
-                              f"{JOB_FILE} names (its manifest changed)")
+        raise CorruptCheckpoint(f"corrupt checkpoint {job.path}: rank {rank}'s checkpoint {ckpt} is not "
+                                f"the one {JOB_FILE} names (its manifest changed)")
     return str(ckpt)
 
 
@@ -179,7 +208,7 @@ def load_job_as_one(path: str | Path) -> CheckpointState:
     """A distributed job as one checkpoint, for evaluation: the shards' rows in one
     table, the dense model of rank 0 (every rank holds the same after the final merge)."""
     job = Job(find_job(path), {})
-    job.manifest = json.loads((job.path / JOB_FILE).read_text())
+    job.manifest = read_job_manifest(job.path)
     states = [load_checkpoint(rank_checkpoint(job, r)) for r in range(job.manifest["world_size"])]
     first = states[0]
     shards = [s.tensors["trainer"]["store"] for s in states]

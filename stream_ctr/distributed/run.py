@@ -44,7 +44,8 @@ from stream_ctr.telemetry.progress import Progress
 from stream_ctr.distributed.sharded_store import ShardedEmbeddingStore
 from stream_ctr.serving.export import checkpoint_record
 from stream_ctr.train.batches import StopSignal
-from stream_ctr.train.run_dir import choose_run_dir, point_latest
+from stream_ctr.train.checkpoint import CheckpointError
+from stream_ctr.train.run_dir import RunDirOwner, claim_run_dir, point_latest
 from stream_ctr.train.loop import Run, RunSummary
 from stream_ctr.train.trainer import resolve_device
 
@@ -448,20 +449,24 @@ def _broadcast_int(value: int) -> int:
     return int(box[0])
 
 
-def agree_run_dir(cfg: Config, resume: str | None, ctx: DistContext) -> str:
-    """Rank 0 chooses the job's run directory (train/run_dir.py) and every rank takes it:
-    a time-stamped name would differ between ranks. A refusal is raised on every rank."""
+def agree_run_dir(cfg: Config, resume: str | None, ctx: DistContext) -> tuple[str, RunDirOwner | None]:
+    """Rank 0 chooses the job's run directory and owns it for the job (train/run_dir.py:
+    the ranks of one job share it, a second job is refused); every rank takes the
+    name: a time-stamped one would differ between ranks. A refusal is raised on every
+    rank. Returns the directory and, on rank 0, what holds its locks."""
     choice: list = [None, None]
+    owner = None
     if ctx.is_main:
         try:
-            choice[0] = str(choose_run_dir(cfg, resume))
-        except ConfigError as e:
-            choice[1] = str(e)
+            owner = claim_run_dir(cfg, resume)
+            choice[0] = cfg.train.run_dir
+        except (ConfigError, CheckpointError, OSError) as e:   # e.g. another job owns it
+            choice[1] = e
     with collective("agreeing on the run directory"):
         dist.broadcast_object_list(choice, src=0)
     if choice[1] is not None:
-        raise ConfigError(choice[1])
-    return choice[0]
+        raise choice[1]
+    return choice[0], owner
 
 
 def train_distributed(cfg: Config, resume: str | None = None,
@@ -475,8 +480,9 @@ def train_distributed(cfg: Config, resume: str | None = None,
     ctx = init_distributed(resolve_device(cfg.train.device), cfg.distributed.timeout_s,
                            cfg.distributed.backend)
     failed = False
+    owner = None
     try:
-        cfg.train.run_dir = agree_run_dir(cfg, resume, ctx)
+        cfg.train.run_dir, owner = agree_run_dir(cfg, resume, ctx)
         run = DistributedRun(cfg, resume, ctx)
         if ctx.is_main:
             point_latest(Path(cfg.train.run_dir))
@@ -511,6 +517,8 @@ def train_distributed(cfg: Config, resume: str | None = None,
         failed = True
         raise
     finally:
+        if owner is not None:
+            owner.release()
         if not failed:
             shutdown()
 

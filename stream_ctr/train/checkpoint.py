@@ -7,7 +7,8 @@ Layout of CHECKPOINT_DIR::
         tensors.pt         dense model, dense optimizer, embedding rows + moments,
                            prequential window (torch.save, loaded weights_only=True)
         state.json         step, records, source positions, resolved config, totals
-        manifest.json      checkpoint id and the sha256 of each file above; with a
+        manifest.json      checkpoint id, save_seq, and the sha256 ("files") and size
+                           ("bytes") of every other file in the directory; with a
                            tiered store, the LMDB generation it committed
 
 A checkpoint is written into a temporary directory, fsynced, then renamed into
@@ -25,6 +26,15 @@ A tiered embedding store keeps its rows in LMDB, not in tensors.pt: its
 checkpoint is one LMDB transaction (a generation) committed just before these
 files are written; resuming rolls LMDB back to that generation
 (stream_ctr/store/lmdb_tier.py says why a crash anywhere in between is safe).
+
+Nothing of a checkpoint is read before it is verified (`verify_checkpoint`): the
+manifest must have the form written here and list exactly the files of its
+directory, each with its size and sha256. A checkpoint that fails is corrupt
+(`CorruptCheckpoint`); a `--resume` of a run or checkpoint root then falls back
+to the newest valid checkpoint (`load_checkpoint(..., fall_back=True)`), while a
+checkpoint directory named directly never does. Temporary files and directories
+(`.tmp-*`, `.LATEST.tmp`) belong to a writer that died: the run directory's owner
+removes them at start (stream_ctr/train/run_dir.py).
 """
 from __future__ import annotations
 
@@ -34,6 +44,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,8 +56,20 @@ FORMAT_VERSION = 1
 _CKPT_RE = re.compile(r"^ckpt-(\d{8})(?:-(\d+))?$")
 
 
+MANIFEST = "manifest.json"
+# The files every checkpoint has besides its manifest.
+CHECKPOINT_FILES = ("tensors.pt", "state.json")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt; the message says which file."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint whose manifest is not the form `save_checkpoint` writes, or whose files
+    do not match it (a damaged disk, a partial copy, a hand edit). The message starts
+    with "corrupt checkpoint", names the directory, the file and the problem."""
 
 
 @dataclass
@@ -57,6 +80,7 @@ class CheckpointState:
     config: dict[str, Any]
     tensors: dict[str, Any]                 # nested dicts of tensors and plain numbers
     extra: dict[str, Any] = field(default_factory=dict)   # JSON-able totals, epoch, rejects...
+    path: Path | None = None                # the checkpoint directory it was loaded from
 
 
 def _sha256(path: Path) -> str:
@@ -110,13 +134,16 @@ def save_checkpoint(directory: str | Path, state: CheckpointState, keep: int = 3
                 "config": state.config, "extra": state.extra}
         _write_file(tmp / "state.json", json.dumps(meta, indent=1, sort_keys=True).encode())
         save_seq = 1 + max((seq for seq, _ in saved), default=0)
+        # "bytes" beside "files" (not inside it): version 0.13 and older read "files" as
+        # name -> sha256, so they still resume these checkpoints.
         manifest = {"checkpoint": name, "format_version": FORMAT_VERSION, "save_seq": save_seq,
-                    "files": {n: _sha256(tmp / n) for n in ("tensors.pt", "state.json")}}
+                    "files": {n: _sha256(tmp / n) for n in CHECKPOINT_FILES},
+                    "bytes": {n: (tmp / n).stat().st_size for n in CHECKPOINT_FILES}}
         store = state.tensors.get("trainer", {}).get("store", {}) if isinstance(state.tensors, dict) else {}
         if store.get("kind") == "tiered":
             # The LMDB generation this checkpoint committed (stream_ctr/store/lmdb_tier.py).
             manifest["embedding_store"] = {k: store[k] for k in ("store_dir", "store_id", "generation", "nonce")}
-        _write_file(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+        _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
         os.rename(tmp, final)     # `name` is new: LATEST still names a complete checkpoint
         # The rename must be durable before LATEST names it.
@@ -181,17 +208,19 @@ def _new_name(root: Path, step: int) -> str:
 
 
 def _checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints as (save_seq, path), oldest save first. Checkpoints written
-    before save_seq existed count as saved first, in step order."""
+    """Complete checkpoints as (save_seq, path), oldest save first. A manifest without a
+    readable save_seq (a corrupt one) counts as saved first, in step order: the first
+    pruned. Nothing here is verified; `verify_checkpoint` is."""
     out = []
     for p in root.glob("ckpt-*"):
         if _step_of(p.name) is None:
             continue
         try:
-            manifest = json.loads((p / "manifest.json").read_text())
-        except (OSError, json.JSONDecodeError):
+            manifest = json.loads((p / MANIFEST).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue            # incomplete (an interrupted delete): not a checkpoint
-        out.append((int(manifest.get("save_seq", 0)), p))
+        seq = manifest.get("save_seq") if isinstance(manifest, dict) else None
+        out.append((seq if isinstance(seq, int) and not isinstance(seq, bool) else 0, p))
     return sorted(out, key=lambda sp: (sp[0], _step_of(sp[1].name), sp[1].name))
 
 
@@ -214,11 +243,18 @@ def holds_checkpoint(path: str | Path) -> bool:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory itself, or the one LATEST names inside a checkpoint root."""
     p = Path(path)
-    if (p / "manifest.json").exists():
+    if (p / MANIFEST).exists():
         return p
     latest = p / "LATEST"
     if latest.exists():
-        return p / latest.read_text().strip()
+        try:
+            name = latest.read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CorruptCheckpoint(f"corrupt checkpoint root {p}: LATEST cannot be read ({e})") from None
+        if _step_of(name) is None or not (p / name).is_dir():
+            raise CorruptCheckpoint(f"corrupt checkpoint root {p}: LATEST names {name!r}, which is "
+                                    "no checkpoint directory there")
+        return p / name
     if (p / "checkpoints" / "LATEST").exists():       # a run directory
         return resolve_checkpoint(p / "checkpoints")
     if any((d / "LATEST_JOB").exists() or (d / "job.json").exists() for d in (p, p / "checkpoints")):
@@ -229,27 +265,150 @@ def resolve_checkpoint(path: str | Path) -> Path:
                           "(with manifest.json), a checkpoint root (with LATEST) or a run directory")
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> CheckpointState:
-    """Load and verify (checksums) a checkpoint; see `resolve_checkpoint` for `path`."""
-    ckpt = resolve_checkpoint(path)
+def read_manifest(ckpt: Path) -> dict[str, Any]:
+    """The manifest of checkpoint directory `ckpt`, checked against the form
+    `save_checkpoint` writes and against the directory: every file there is listed,
+    every listed file is there with its listed size. Reads no other file (the
+    checksums are `verify_checkpoint`'s). Raises CorruptCheckpoint naming the file
+    and the problem; CheckpointError for a serving bundle or another format version.
+
+    Manifests written before sizes were recorded (version 0.13 and older) have no
+    "bytes": they are accepted, their files still checked against their sha256."""
+    def corrupt(problem: str) -> CorruptCheckpoint:
+        return CorruptCheckpoint(f"corrupt checkpoint {ckpt}: {problem}")
     try:
-        manifest = json.loads((ckpt / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{ckpt}/manifest.json unreadable: {e}") from None
+        manifest = json.loads((ckpt / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise corrupt(f"{MANIFEST} is missing") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise corrupt(f"{MANIFEST} cannot be read ({e})") from None
+    except json.JSONDecodeError as e:
+        raise corrupt(f"{MANIFEST} is not JSON ({e})") from None
+    if not isinstance(manifest, dict):
+        raise corrupt(f"{MANIFEST} holds {type(manifest).__name__}, not a JSON object")
     if manifest.get("format") == "stream-ctr-bundle":      # serving/bundle.py writes these
         raise CheckpointError(f"{ckpt} is a serving bundle (stream-ctr export), not a run or "
                               "checkpoint: pass the run directory it was exported from, or score "
                               f"the bundle with stream-ctr predict {ckpt}")
+    for key, kind in (("checkpoint", str), ("format_version", int), ("save_seq", int), ("files", dict)):
+        if key not in manifest:
+            raise corrupt(f'{MANIFEST} has no "{key}"')
+        if not isinstance(manifest[key], kind) or isinstance(manifest[key], bool):
+            raise corrupt(f'{MANIFEST} "{key}" is {manifest[key]!r}, not {"an integer" if kind is int else "a " + kind.__name__}')
+    if manifest["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(f"{ckpt}: format version {manifest['format_version']} is not "
+                              f"{FORMAT_VERSION}: it was written by another version of stream-ctr")
+    files, sizes = manifest["files"], manifest.get("bytes")
+    for name in CHECKPOINT_FILES:
+        if name not in files:
+            raise corrupt(f'{MANIFEST} does not list {name} in "files"')
+    for name, digest in files.items():
+        if name in (".", "..", MANIFEST) or "/" in name or "\\" in name:
+            raise corrupt(f'{MANIFEST} lists {name!r}, which is no file of a checkpoint')
+        if not isinstance(digest, str) or not _SHA256_RE.match(digest):
+            raise corrupt(f'{MANIFEST} gives {name} the sha256 {digest!r}, not 64 hex digits')
+    if sizes is not None:
+        if not isinstance(sizes, dict) or set(sizes) != set(files):
+            raise corrupt(f'{MANIFEST} "bytes" does not list the same files as "files"')
+        for name, size in sizes.items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise corrupt(f'{MANIFEST} gives {name} the size {size!r}, not a byte count')
+    try:
+        present = {e.name: e for e in os.scandir(ckpt)}
+    except OSError as e:
+        raise corrupt(f"the directory cannot be listed ({e.strerror or e})") from None
+    for name in sorted(present):
+        if name != MANIFEST and name not in files:
+            raise corrupt(f"{name} is in the directory but not listed in {MANIFEST}")
+    for name in files:
+        entry = present.get(name)
+        if entry is None or not entry.is_file():
+            raise corrupt(f"{name} is listed in {MANIFEST} but {'missing' if entry is None else 'not a file'}")
+        if sizes is not None and entry.stat().st_size != sizes[name]:
+            raise corrupt(f"{name} is {entry.stat().st_size:,} bytes, {MANIFEST} says {sizes[name]:,} "
+                          "(truncated or overwritten)")
+    return manifest
+
+
+def verify_checkpoint(ckpt: str | Path) -> dict[str, Any]:
+    """`read_manifest`, then every listed file against its sha256 (reads them all).
+    Returns the manifest; raises CorruptCheckpoint naming the first file that fails."""
+    ckpt = Path(ckpt)
+    manifest = read_manifest(ckpt)
     for name, digest in manifest["files"].items():
-        if not (ckpt / name).exists():
-            raise CheckpointError(f"{ckpt}: file {name} missing")
-        if _sha256(ckpt / name) != digest:
-            raise CheckpointError(f"{ckpt}: file {name} does not match its checksum (corrupt)")
-    meta = json.loads((ckpt / "state.json").read_text())
+        try:
+            actual = _sha256(ckpt / name)
+        except OSError as e:
+            raise CorruptCheckpoint(f"corrupt checkpoint {ckpt}: {name} cannot be read "
+                                    f"({e.strerror or e})") from None
+        if actual != digest:
+            raise CorruptCheckpoint(f"corrupt checkpoint {ckpt}: {name} does not match its sha256 "
+                                    f"in {MANIFEST} (its bytes changed since it was written)")
+    return manifest
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
+                    fall_back: bool = False) -> CheckpointState:
+    """Load a checkpoint after `verify_checkpoint`; see `resolve_checkpoint` for `path`.
+
+    Raises CorruptCheckpoint for a checkpoint that fails verification. With
+    `fall_back` (what --resume asks) and `path` a checkpoint root or run directory
+    whose LATEST checkpoint is corrupt, loads the newest valid one there instead
+    and says so on stderr; a checkpoint directory named itself never falls back."""
+    p = Path(path)
+    if not fall_back or (p / MANIFEST).exists():
+        return _load(resolve_checkpoint(p), map_location)
+    root = p if (p / "LATEST").exists() else p / "checkpoints"
+    latest = None
+    try:
+        latest = resolve_checkpoint(p)
+        return _load(latest, map_location)
+    except CorruptCheckpoint as e:
+        why = str(e)
+    skipped = []
+    for _, ckpt in reversed(_checkpoints(root)):
+        if ckpt == latest:
+            continue
+        try:
+            state = _load(ckpt, map_location)
+        except CorruptCheckpoint as e:
+            skipped.append(str(e))
+            continue
+        also = f" (also corrupt: {'; '.join(skipped)})" if skipped else ""
+        print(f"stream-ctr: warning: {why}; --resume {path} continues from {ckpt.name} "
+              f"(step {state.step:,}, {state.records_trained:,} records), the newest valid "
+              f"checkpoint in {root}{also}", file=sys.stderr, flush=True)
+        return state
+    also = f" ({'; '.join(skipped)})" if skipped else ""
+    raise CorruptCheckpoint(f"{why}; and {root} holds no other valid checkpoint{also}: train a "
+                            "new run into another --run-dir (the corrupt files stay for inspection)")
+
+
+def _load(ckpt: Path, map_location: str | torch.device) -> CheckpointState:
+    """Verify, then read, the checkpoint directory `ckpt`."""
+    verify_checkpoint(ckpt)
+
+    def corrupt(problem: str) -> CorruptCheckpoint:
+        return CorruptCheckpoint(f"corrupt checkpoint {ckpt}: {problem}")
+    try:
+        meta = json.loads((ckpt / "state.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise corrupt(f"state.json cannot be read ({e})") from None
+    if not isinstance(meta, dict):
+        raise corrupt("state.json is not a JSON object")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{ckpt}: format version {meta.get('format_version')} "
                               f"is not {FORMAT_VERSION}")
-    tensors = torch.load(ckpt / "tensors.pt", map_location=map_location, weights_only=True)
+    for key, kind in (("step", int), ("records_trained", int), ("positions", dict), ("config", dict)):
+        if not isinstance(meta.get(key), kind):
+            raise corrupt(f'state.json "{key}" is {meta.get(key)!r}, not {"an integer" if kind is int else "an object"}')
+    if not isinstance(meta.get("extra", {}), dict):
+        raise corrupt(f'state.json "extra" is {meta["extra"]!r}, not an object')
+    try:
+        tensors = torch.load(ckpt / "tensors.pt", map_location=map_location, weights_only=True)
+    except Exception as e:     # any failure to unpickle: the file is not what save_checkpoint wrote
+        raise corrupt(f"tensors.pt cannot be loaded ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''})") from None
     return CheckpointState(step=meta["step"], records_trained=meta["records_trained"],
                            positions=meta["positions"], config=meta["config"],
-                           tensors=tensors, extra=meta.get("extra", {}))
+                           tensors=tensors, extra=meta.get("extra", {}), path=ckpt)

@@ -17,20 +17,20 @@ import numpy as np
 import torch
 
 from stream_ctr.connectors.batch import Batch
-from stream_ctr.connectors.files import FileSource, SourceError, count_records, detect_format
+from stream_ctr.connectors.files import (DamagedFile, EmptySource, FileSource, SourceError, count_readable,
+                                         detect_format)
 from stream_ctr.connectors.read_ahead import ReadAhead, decode_threads
 from stream_ctr.train.heap import keep_heap
-from stream_ctr.train.checkpoint import (CheckpointState, holds_checkpoint, load_checkpoint, resolve_checkpoint,
-                                         save_checkpoint)
+from stream_ctr.train.checkpoint import CheckpointState, holds_checkpoint, load_checkpoint, save_checkpoint
 from stream_ctr.config import Config, ConfigError, check_line_range, describe_optim, validate
 from stream_ctr.serving.export import checkpoint_record
 from stream_ctr.serving.publisher import open_publisher
 from stream_ctr.train.evaluation import Accuracy, PrequentialWindow, accuracy
-from stream_ctr.train.run_dir import (choose_run_dir, link_checkpoint_dir, point_latest, run_dir_of,
-                                      set_aside_attempt)
+from stream_ctr.train.run_dir import claim_run_dir, link_checkpoint_dir, point_latest, run_dir_of
 from stream_ctr.telemetry.monitor import RunMonitor
 from stream_ctr.telemetry.progress import Progress
 from stream_ctr.train.batches import LookAhead, StopSignal, micro_batches
+from stream_ctr.connectors.kafka.client import StreamGone
 from stream_ctr.connectors.kafka.options import KafkaUrl
 from stream_ctr.train.streaming import (declared_schema, new_stream_batcher, open_dead_letter, source_format,
                                   stream_batches, stream_url)
@@ -72,6 +72,7 @@ class RunSummary:
     # With --epochs > 1 and a holdout: the held-out accuracy after each completed pass
     # (the window's AUC after the first pass scores rows the model has already seen).
     test_per_epoch: list = field(default_factory=list)
+    empty_source: str = ""              # the file, when it held no records (nothing to train)
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k not in ("window", "test")}
@@ -160,7 +161,8 @@ class Run:
     EVALUATES_EACH_PASS = True
 
     def __init__(self, cfg: Config, resume: str | None) -> None:
-        state = load_checkpoint(resume) if resume else None
+        # A run or checkpoint root whose newest checkpoint is corrupt goes on from the newest valid one.
+        state = load_checkpoint(resume, fall_back=True) if resume else None
         if state is not None:   # the model and optimizer settings are the checkpoint's
             saved = Config.from_dict(state.config, origin=f"{resume} (checkpoint config)")
             refuse_changed_model(cfg, saved, resume)
@@ -172,12 +174,16 @@ class Run:
         self.cfg = cfg
         self.stream = stream_url(cfg)         # a kafka:// source, else None (a file)
         self.stream_ended = False
+        # A file that cannot be read to its end: its readable lines are trained and held
+        # out as if they were the file; the pass stops at the damage (at_damage), unfinished.
+        self.damage: DamagedFile | None = None
+        self.at_damage = False
         if self.stream is not None:           # one long epoch: nothing to count or hold out
             self.fmt, self.path, self.n_total, self.train_end = source_format(cfg), None, 0, 0
         else:
             self.fmt, self.path = detect_format(cfg.data.source, cfg.data.schema)
             # Hold out the last fraction of the file, by data-line offset.
-            self.n_total = count_records(self.path, self.fmt)
+            self.n_total, self.damage = count_readable(self.path, self.fmt)
             self.train_end = held_out_start(self.n_total, cfg.data.holdout_fraction)
         if state is not None:
             saved_fmt = source_format(saved)
@@ -212,7 +218,8 @@ class Run:
         run_dir = Path(cfg.train.run_dir)
         self.ckpt_dir = Path(cfg.train.checkpoint_dir or run_dir / "checkpoints")
         link_checkpoint_dir(run_dir, cfg.train.checkpoint_dir)
-        self.dead_letter = open_dead_letter(cfg, self.stream)     # a file, or the dead-letter topic
+        # A file, or the dead-letter topic; once per record across restarts (the checkpoint's mark).
+        self.dead_letter = open_dead_letter(cfg, self.stream, state.extra if state is not None else None)
         # A stream's batcher lives in the run: a rebalance drops its rows of revoked partitions.
         self.summary = RunSummary(dead_letter_path=str(self.dead_letter.path))
         self.batcher = (new_stream_batcher(cfg, self.stream, lambda: self.total_before + self.summary.records_trained)
@@ -226,7 +233,7 @@ class Run:
         self.monitor.watch(self.trainer.store, self.window, lag=self.source_lag,
                            source=lambda: self.source)
         if state is not None:       # the checkpoint's age counts from when it was written
-            manifest = resolve_checkpoint(resume) / "manifest.json"
+            manifest = state.path / "manifest.json"
             self.monitor.metrics.resumed_from_checkpoint(manifest.stat().st_mtime)
         if self.epoch:
             self.monitor.metrics.observe_epoch(self.epoch, another_pass=self.epoch < cfg.data.epochs)
@@ -234,7 +241,7 @@ class Run:
         # (stream_ctr/serving/publisher.py says why no rolled-back version is ever served).
         self.publisher = open_publisher(cfg, self.fmt)
         if self.publisher is not None and state is not None:
-            self.publish(state.tensors, resolve_checkpoint(resume), state)
+            self.publish(state.tensors, state.path, state)
 
     def source_lag(self) -> dict[str, int]:
         """Consumer lag of the file source: records of the training range not yet trained."""
@@ -309,8 +316,11 @@ class Run:
         # merely read: a limit may have stopped the loop with rows pending.
         if self.stream is not None:          # a stream ends (idle), it never starts over
             self.stream_ended = source.exhausted
+        elif completed and not self.limit_reached and self.damage is not None:
+            self.at_damage = True           # not the file's end: a resume with the repaired file goes on
         elif completed and not self.limit_reached:
             self.epoch, self.positions = self.epoch + 1, {}
+            self.dead_letter.epoch = self.epoch         # the next pass dead-letters its bad lines again
             self.monitor.metrics.observe_epoch(self.epoch, another_pass=self.epoch < self.cfg.data.epochs)
             if (self.EVALUATES_EACH_PASS and self.cfg.data.epochs > 1 and self.epoch < self.cfg.data.epochs
                     and self.train_end < self.n_total):
@@ -318,7 +328,7 @@ class Run:
 
     def held_out(self) -> dict[str, float]:
         """Accuracy of the current model on the held-out tail (no training)."""
-        probs, labels = score(self.trainer, self.path, self.fmt, self.train_end, None,
+        probs, labels = score(self.trainer, self.path, self.fmt, self.train_end, self.n_total,
                               self.cfg.data.chunk_records)
         return {**accuracy(probs, labels).as_dict(), **bayes_of_split(self.path, labels, self.train_end)}
 
@@ -333,7 +343,25 @@ class Run:
     def wants_more(self) -> bool:
         if self.stream is not None:
             return not self.limit_reached and not self.stream_ended
-        return self.epoch < self.cfg.data.epochs and not self.limit_reached
+        return (self.epoch < self.cfg.data.epochs and not self.limit_reached and not self.at_damage
+                and not self.empty)
+
+    @property
+    def empty(self) -> bool:
+        """The source file holds no records (an empty file, an empty gzip, a header alone)."""
+        return self.path is not None and self.n_total == 0 and self.damage is None
+
+    def damaged(self, summary: RunSummary) -> DamagedFile:
+        """The error that ends a run whose pass stopped at the damage of its file, after
+        its checkpoint: what was trained, and how a resume goes on."""
+        d, held = self.damage, self.n_total - self.train_end
+        done = (f"were read: the first {self.train_end:,} trained, the last {held:,} held out and scored"
+                if held else "were trained")
+        then = (f"re-copy it, then `stream-ctr train --resume {self.cfg.train.run_dir}` goes on from line "
+                f"{self.positions.get(f'file:{self.path.name}', 0):,} (checkpoint {summary.checkpoint})")
+        err = DamagedFile(d.path, d.lines, d.cause, d.cut_bytes, done, then)
+        err.summary = summary
+        return err
 
     def batches(self, source, stop: "StopSignal") -> Iterator[Batch]:
         if self.stream is not None:
@@ -349,6 +377,8 @@ class Run:
     def checkpoint(self, commit: bool = True) -> None:
         """Write a durable checkpoint; then (Kafka) commit its positions as the group's offsets."""
         t0 = time.perf_counter()
+        # First: the dead letters up to here on disk (or acknowledged), and where the sink ends.
+        dead_letter = self.dead_letter.mark(self.positions, self.epoch).as_dict()
         tensors = {"trainer": self.trainer.state_tensors(),
                    "window": {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v)
                               for k, v in self.window.state_dict().items()}}
@@ -357,7 +387,7 @@ class Run:
                                 {"epoch": self.epoch, "source": self.cfg.data.source,
                                  # what the scaling rule made of cfg.optim for this batch size
                                  "resolved_optim": dataclasses.asdict(self.trainer.optim),
-                                 "precision": self.trainer.precision})
+                                 "precision": self.trainer.precision, "dead_letter": dead_letter})
         self.summary.checkpoint = str(save_checkpoint(self.ckpt_dir, state, self.cfg.train.keep_checkpoints))
         self.monitor.on_checkpoint(time.perf_counter() - t0, self.summary.checkpoint)
         if commit and self.stream is not None:
@@ -436,17 +466,28 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
     if resume is not None and not holds_checkpoint(resume) and cfg.train.checkpoint_dir \
             and holds_checkpoint(cfg.train.checkpoint_dir):
         resume = cfg.train.checkpoint_dir   # --resume RUN_DIR of a run that checkpoints elsewhere
-    if resume is not None and not holds_checkpoint(resume):
-        # A supervisor restarts with the same command line (--resume DIR) whether or
-        # not the first attempt lived to write a checkpoint: without one, start over.
-        run_dir = Path(cfg.train.run_dir) if cfg.train.run_dir else run_dir_of(resume)
-        aside = set_aside_attempt(run_dir)
-        print(f"stream-ctr: no checkpoint in {resume} yet: starting a new run in {run_dir}"
-              + (f" (the earlier attempt's time series moved to {aside})" if aside else ""),
-              file=sys.stderr, flush=True)
-        cfg.train.run_dir, resume = str(run_dir), None
-    cfg.train.run_dir = str(choose_run_dir(cfg, resume))
+    # A supervisor restarts with the same command line (--resume DIR) whether or
+    # not the first attempt lived to write a checkpoint: without one, start over.
+    starting_over = resume is not None and not holds_checkpoint(resume)
+    if starting_over:
+        cfg.train.run_dir = str(Path(cfg.train.run_dir) if cfg.train.run_dir else run_dir_of(resume))
+    # This process owns the run directory until the run ends (run_dir.py): a second
+    # trainer there is refused before either writes anything.
+    with claim_run_dir(cfg, None if starting_over else resume, set_aside=starting_over) as owner:
+        if starting_over:
+            aside = owner.set_aside
+            print(f"stream-ctr: no checkpoint in {resume} yet: starting a new run in {cfg.train.run_dir}"
+                  + (f" (the earlier attempt's time series moved to {aside})" if aside else ""),
+                  file=sys.stderr, flush=True)
+        return _train(cfg, owner.resume, show_progress)
+
+
+def _train(cfg: Config, resume: str | None, show_progress: bool) -> RunSummary:
+    """`train` in a run directory this process owns (cfg.train.run_dir)."""
     run = Run(cfg, resume)
+    if run.empty:
+        print(f"stream-ctr: warning: {run.path} holds no records (an empty file, an empty gzip or a "
+              "header alone): nothing to train", file=sys.stderr, flush=True)
     point_latest(Path(cfg.train.run_dir))
     run.summary.optim = dataclasses.asdict(run.trainer.optim)
     if show_progress:
@@ -459,7 +500,7 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
     with StopSignal() as stop, run:
         while run.wants_more and not stop.requested:
             with run.open_source() as source:
-                batches = run.batches(source, stop)
+                batches = keep_trained_if_gone(run, run.batches(source, stop))
                 if run.publisher is not None:   # when each batch was read: what freshness counts from
                     batches = run.publisher.stamp(batches)
                 # A tiered store prefetches the next batch's rows while this one trains.
@@ -493,7 +534,22 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
         run.refuse_if_nothing_decoded()
         run.checkpoint()
         run.summary.stopped = stop.requested
-    return run.finish(progress.elapsed_s())
+    summary = run.finish(progress.elapsed_s())
+    summary.empty_source = str(run.path) if run.empty else ""
+    if run.at_damage:                   # after the checkpoint: nothing trained is lost
+        raise run.damaged(summary)
+    return summary
+
+
+def keep_trained_if_gone(run: Run, batches: Iterator[Batch]) -> Iterator[Batch]:
+    """`batches`; a Kafka topic deleted under them (StreamGone) ends the run, but only
+    after a checkpoint of what was trained (no group commit: the topic is gone)."""
+    try:
+        yield from batches
+    except StreamGone as gone:
+        run.checkpoint(commit=False)
+        gone.checkpointed_at(run.summary.checkpoint)
+        raise
 
 
 def rejection_note(counts: dict[str, int], top: int = 3) -> str:
@@ -594,7 +650,10 @@ def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str | N
         raise ConfigError(f"checkpoint was trained on {describe_features(saved_fmt)}, "
                           f"{source} decodes to {describe_features(fmt)}: their features do not match")
     check_line_range(start, stop)
-    n_total = count_records(path, fmt)
+    n_total, damage = count_readable(path, fmt)
+    if n_total == 0 and damage is None:
+        raise EmptySource(f"{path} holds no records (an empty file, an empty gzip or a header alone): "
+                          "nothing to score")
     if start is not None or stop is not None:
         start, rows = start or 0, "the given range"
     elif whole or not _same_file(own, path, cfg.data.schema):

@@ -10,7 +10,8 @@
   `offset_batches.offset_ordered_batches` (batches a function of offsets);
 - `new_stream_batcher`: the batcher a run's flags ask for;
 - `open_kafka_source` / `open_dead_letter`: the source and the dead-letter
-  sink of a run, wired to its checkpoints (see `revoke_hook`).
+  sink of a run, wired to its checkpoints (see `revoke_hook`; the sink's mark
+  in each checkpoint keeps dead letters exactly once across restarts).
 
 A Kafka run is one long epoch: it never "finishes" a topic, its positions are
 never reset, and a resumed run continues the stream.
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from stream_ctr.connectors.batch import Batch
-from stream_ctr.connectors.dead_letter import DeadLetterFile
+from stream_ctr.connectors.dead_letter import DeadLetterFile, DeadLetterMark, ExactlyOnceDeadLetter, start_mark
 from stream_ctr.connectors.files import detect_format
 from stream_ctr.connectors.formats import RecordFormat
 from stream_ctr.connectors.schema import Schema, parse_schema
@@ -157,11 +158,25 @@ def declared_schema(cfg: Config) -> Schema | None:
     return parse_schema(cfg.data.schema) if cfg.data.schema.strip() else None
 
 
-def open_dead_letter(cfg: Config, url: KafkaUrl | None):
-    """The run's dead-letter sink: the Kafka dead-letter topic, or the JSON-lines file."""
+def open_dead_letter(cfg: Config, url: KafkaUrl | None, resumed: dict | None) -> ExactlyOnceDeadLetter:
+    """The run's dead-letter sink: the Kafka dead-letter topic, or the JSON-lines file,
+    storing each rejected record once across restarts.  `resumed`: the `extra` of the
+    checkpoint the run resumes from (its `dead_letter` mark), None for a run without one
+    (it starts at the mark its start left in the run directory, see `start_mark`)."""
     if url is not None and url.options.dead_letter_topic:
         from stream_ctr.connectors.kafka.sink import KafkaDeadLetter, require_topics
         require_topics(url)                 # a typo must not leave a dead-letter topic behind
         topic = url.options.dead_letter_topic.replace("{topic}", url.topics[0])
-        return KafkaDeadLetter(url, topic)
-    return DeadLetterFile(cfg.data.dead_letter_path or Path(cfg.train.run_dir) / "dead_letter.jsonl")
+        sink = KafkaDeadLetter(url, topic, cfg.data.dead_letter_max_bytes)
+    else:
+        sink = DeadLetterFile(cfg.data.dead_letter_path or Path(cfg.train.run_dir) / "dead_letter.jsonl",
+                              cfg.data.dead_letter_max_bytes)
+    try:
+        if resumed is None:
+            mark = start_mark(Path(cfg.train.run_dir), sink)
+        else:
+            mark = DeadLetterMark.from_dict(resumed.get("dead_letter"))
+        return ExactlyOnceDeadLetter(sink, mark, epoch=(resumed or {}).get("epoch", 0))
+    except BaseException:
+        sink.close()
+        raise

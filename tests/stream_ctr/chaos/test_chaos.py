@@ -1,4 +1,4 @@
-"""`stream-ctr chaos` in CI: a short seeded schedule against a real, durable broker.
+"""`stream-ctr chaos` in CI: short seeded schedules against a real, durable broker.
 
 The same code as the command (`run_chaos`): 100,000 records into 3
 partitions, arriving over 2 minutes while 10 SIGKILLs (one during start-up,
@@ -8,12 +8,16 @@ its data, a second group member joining and leaving, and (as root) a full
 checkpoint disk strike; malformed messages at 1%.  About 3.5 minutes here.  Every check must hold: exactly once, every malformed message
 dead-lettered, the model bit-identical to the fault-free run's, every
 checkpoint readable.  A longer schedule is the documented command in
-BENCHMARKS.md.
+BENCHMARKS.md.  A small one (2 partitions, 3,000 records, 3 kills, one inside
+a checkpoint write) is the schedule an operator saw fail on 0.13.0: the
+verifier compared the checkpoint's position keys, and a partition given up in
+the rebalance a restart causes keeps a ``#given_up`` key beside its offset.
 """
 from __future__ import annotations
 
 import os
 import random
+from collections import Counter
 
 import numpy as np
 
@@ -21,6 +25,7 @@ from stream_ctr.chaos.harness import ChaosConfig, run_chaos
 from stream_ctr.chaos.schedule import (BROKER_RESTART, KILL, KILL_IN_CHECKPOINT, KILL_IN_REBALANCE, KILLS, MEMBER_JOIN,
                                        PAUSE, ScheduleSpec, make_schedule)
 from stream_ctr.chaos.stream import BAD_KINDS, malformed, sample_lines
+from stream_ctr.chaos.verify import dead_letters_check, positions_check
 from stream_ctr.connectors.formats import FORMATS
 from stream_ctr.connectors.kafka.decode import decode_messages
 
@@ -46,6 +51,42 @@ def test_every_malformed_kind_is_rejected_never_trained():
                                   ("t/0",), FORMATS["criteo"], "text")
         assert len(decoded.batch) == 0, kind
         assert sorted(r.offset for r in decoded.rejected) == list(range(n)), kind    # one each
+
+
+def test_the_verifier_compares_offsets_however_they_are_keyed():
+    ends = {"t/0": 1500, "t/1": 1500}
+    assert positions_check({"t/0": 1500, "t/1": 1500, "t/1#given_up": 1}, ends).ok
+    assert not positions_check({"t/0": 1500, "t/1": 1499, "t/1#given_up": 1}, ends).ok
+    assert not positions_check({"t/0": 1500, "t/1": 1500, "t/1#rows_done": 3}, ends).ok     # a message in part
+    assert not positions_check({"t/0": 1500}, ends).ok
+
+
+def test_the_verifier_fails_a_malformed_message_dead_lettered_twice():
+    bad = {(0, 7): "json", (1, 3): "truncated"}
+    assert dead_letters_check(bad, Counter({(0, 7): 1, (1, 3): 1})).ok
+    twice = dead_letters_check(bad, Counter({(0, 7): 2, (1, 3): 1}))
+    assert not twice.ok and "1 dead-lettered more than once" in twice.detail
+    assert not dead_letters_check(bad, Counter({(0, 7): 1})).ok                   # one missing
+    assert not dead_letters_check(bad, Counter({(0, 7): 1, (1, 3): 1, (0, 8): 1})).ok   # a good one
+
+
+def test_a_small_two_partition_schedule_passes(tmp_path):
+    """2 partitions, 3,000 records, 3 kills (one during start-up, one inside a checkpoint
+    write): every check holds, dead letters exactly once included."""
+    cfg = ChaosConfig(seed=SEED, records=3_000, partitions=2, bad_rate=0.01, produce_s=30.0,
+                      batch_size=64, checkpoint_every=2,
+                      schedule=ScheduleSpec(kills=3, checkpoint_kills=1, rebalance_kills=0, pauses=0,
+                                            broker_restarts=0, member_joins=0),
+                      work_dir=str(tmp_path / "chaos"))
+    lines: list[str] = []
+    report = run_chaos(cfg, lines.append)
+    log = "\n".join(lines)
+    assert report.ok, log
+    assert [f["fault"] for f in report.faults].count(KILL_IN_CHECKPOINT) == 1
+    assert sum(f["fault"] in KILLS for f in report.faults) == 3
+    assert sum(bool(f.get("inside_checkpoint_write")) for f in report.faults) == 1, log
+    assert {c.name for c in report.checks} >= {"exactly once (positions)", "dead letters (exactly once)"}
+    assert report.attempts >= 4 and sum(report.bad_messages.values()) > 0
 
 
 def test_a_seeded_chaos_run_verifies_exactly_once_and_the_fault_free_model(tmp_path):

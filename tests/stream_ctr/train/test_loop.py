@@ -110,7 +110,7 @@ def test_resume_from_corrupt_checkpoint_fails_clearly(tmp_path):
     cfg = small_config(tmp_path, limit_records=256)
     s = train(cfg, show_progress=False)
     (tmp_path / "run" / "checkpoints" / "ckpt-00000002" / "tensors.pt").write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match="checksum"):
+    with pytest.raises(CheckpointError, match="corrupt checkpoint .*tensors.pt"):
         train(cfg, resume=cfg.train.run_dir, show_progress=False)
     # No checkpoint at the resume path: a new run, which --run-dir's existing run refuses.
     with pytest.raises(ConfigError, match="already holds a run"):
