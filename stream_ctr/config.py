@@ -81,6 +81,10 @@ class OptimConfig:
     # Dense lr ramps linearly from ~0 over this many trained samples, whatever the
     # batch (the paper warms up over one epoch of samples); 0 = no warm-up.
     warmup_samples: int = 20_480
+    # Under the scaling rule (s > 1) the warm-up lasts at least this many samples: a
+    # single pass at 128K takes 55 steps on 8M rows, and 20,480 samples is less than one
+    # of them, so the scaled dense lr hit a cold model at full strength (docs/large-batches.md).
+    rule_warmup_samples: int = 500_000
     # Base batch of the rates above (CLI --scale-from); 0 = use them as they are.
     # With s = data.batch_size / scale_from_batch: lr_dense x sqrt(s), l2 x s,
     # lr_embed unchanged (CowClip's rule, reference/cowclip.md 2.4).
@@ -100,6 +104,14 @@ class OptimConfig:
     # hold it: a rare id seen once takes one step at any batch, so l2 x s shrinks it s
     # times harder than at the base batch (BENCHMARKS, "Large batches").
     l2_rule: str = "constant"       # constant | scaled
+    # How Adam's beta2 follows the batch under the scaling rule: "scaled" = beta2 ** s' with
+    # s' = min(s, beta2_max_scale), so the second moment forgets over the same number of
+    # samples as at the base batch (the SDE scaling rule for Adam: 1 - (1 - beta2) x s, to
+    # first order); "constant" = beta2 as configured. At 32K on 8M rows beta2 = 0.999
+    # remembered every one of the pass's 220 steps: early, large gradients kept the steps
+    # of the late ones small (docs/large-batches.md).
+    beta2_rule: str = "scaled"      # scaled | constant
+    beta2_max_scale: float = 32.0
     # The output bias starts at the log-odds of the first batch's click rate, so the
     # first predictions sit at the base rate rather than 0.5 (on a 2.6% CTR log the
     # mean prediction after one pass was 1.4-2.8x the CTR starting from 0).
@@ -283,6 +295,19 @@ def read_schema_file(path: str) -> str:
     return schema_text(text, path)
 
 
+# Optimizer rules a checkpoint written before them ran without: a resumed run keeps
+# training the way it started (a full checkpoint config names every field it had).
+_RULES_ADDED_IN_0_14 = {"beta2_rule": "constant", "rule_warmup_samples": 0}
+
+
+def checkpoint_config(raw: dict[str, Any], origin: str) -> "Config":
+    """The Config a checkpoint (its state.json "config") ran with."""
+    optim = raw.get("optim")
+    if isinstance(optim, dict) and "beta2_rule" not in optim:
+        raw = {**raw, "optim": {**optim, **_RULES_ADDED_IN_0_14}}
+    return Config.from_dict(raw, origin=origin)
+
+
 def _upgrade_legacy(raw: dict[str, Any]) -> dict[str, Any]:
     """Configs (checkpoints) from before warmup_samples: warmup_steps x the batch they ran."""
     optim = raw.get("optim")
@@ -433,6 +458,9 @@ def validate(cfg: Config) -> Config:
          f"optim.cowclip_units must be mean or occurrence, got {o.cowclip_units!r}"),
         (o.l2_rule in ("scaled", "constant"),
          f"optim.l2_rule must be scaled or constant, got {o.l2_rule!r}"),
+        (o.rule_warmup_samples >= 0, f"optim.rule_warmup_samples must be >= 0, got {o.rule_warmup_samples}"),
+        (o.beta2_rule in ("scaled", "constant"), f"optim.beta2_rule must be scaled or constant, got {o.beta2_rule!r}"),
+        (o.beta2_max_scale >= 1, f"optim.beta2_max_scale must be >= 1, got {o.beta2_max_scale}"),
         (o.embed_lr_rule in ("constant", "count"),
          f"optim.embed_lr_rule must be constant or count, got {o.embed_lr_rule!r}"),
         (o.embed_lr_max_scale >= 0,
@@ -520,15 +548,20 @@ def resolve_optim(cfg: Config) -> ResolvedOptim:
     """The optimizer settings a run uses for `cfg.data.batch_size`.
 
     Without optim.scale_from_batch they are the configured ones. With a base
-    batch B0 and s = batch / B0, CowClip's scaling rule (reference/cowclip.md
-    2.4): lr_dense x sqrt(s), l2 x s (l2_rule = scaled), lr_embed unchanged. Warm-up is in samples,
-    so it needs no scaling. Paper check: Criteo base 1K (lr 8e-4, l2 1e-5) at
-    128K gives lr 90.51e-4, l2 1.28e-3.
+    batch B0 and s = batch / B0 (docs/large-batches.md): lr_dense x sqrt(s) (CowClip's
+    rule), l2 x s only with l2_rule = scaled, lr_embed per row by its count
+    (embed_lr_rule), beta2 ** min(s, beta2_max_scale) with beta2_rule = scaled, and,
+    for s > 1, a warm-up of at least rule_warmup_samples. Paper check: Criteo base 1K
+    (lr 8e-4, l2 1e-5, l2_rule = scaled) at 128K gives lr 90.51e-4, l2 1.28e-3.
     """
     o, batch = cfg.optim, cfg.data.batch_size
     s = batch / o.scale_from_batch if o.scale_from_batch > 0 else 1.0
     fields = {f.name: getattr(o, f.name) for f in dataclasses.fields(OptimConfig)}
     fields.update(lr_dense=o.lr_dense * math.sqrt(s), l2=o.l2 * s if o.l2_rule == "scaled" else o.l2)
+    if s > 1:
+        fields.update(warmup_samples=max(o.warmup_samples, o.rule_warmup_samples))
+        if o.beta2_rule == "scaled":
+            fields.update(beta2=o.beta2 ** min(s, o.beta2_max_scale))
     return ResolvedOptim(**fields, batch_size=batch, scale=s,
                          clip_scale=1.0 / batch if o.cowclip_units == "occurrence" else 1.0,
                          count_lr_s=(min(s, o.embed_lr_max_scale) if o.embed_lr_max_scale > 0 else s)
@@ -544,9 +577,10 @@ def describe_optim(r: ResolvedOptim) -> str:
             if r.warmup_samples else "no warm-up")
     if r.scale_from_batch and r.scale > 1 and warm_steps < 4:
         # The scaled dense lr at full strength on a cold model was what broke 32K-128K.
-        warm += " - under 4 steps at this batch: raise optim.warmup_samples (README, large batches)"
+        warm += " - under 4 steps at this batch: raise optim.rule_warmup_samples (docs/large-batches.md)"
     clip = (f"cowclip r={r.cowclip_r:g} zeta={r.cowclip_zeta:g} ({r.cowclip_units} units)"
             if r.cowclip else "no cowclip")
     return (f"optim: {rule}: lr_dense {r.lr_dense:.4g}, lr_embed {r.lr_embed:.4g}"
-            f"{f' (count per row, s={r.count_lr_s:g})' if r.count_lr_s > 1 else ''}, l2 {r.l2:.4g}, {warm}, {clip}"
+            f"{f' (count per row, s={r.count_lr_s:g})' if r.count_lr_s > 1 else ''}, l2 {r.l2:.4g}, "
+            f"adam beta2 {r.beta2:.4g}, {warm}, {clip}"
             f"{', output bias from the first batch' if r.init_bias_from_data else ''}")

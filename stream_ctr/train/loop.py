@@ -22,7 +22,8 @@ from stream_ctr.connectors.files import (DamagedFile, EmptySource, FileSource, S
 from stream_ctr.connectors.read_ahead import ReadAhead, decode_threads
 from stream_ctr.train.heap import keep_heap
 from stream_ctr.train.checkpoint import CheckpointState, holds_checkpoint, load_checkpoint, save_checkpoint
-from stream_ctr.config import Config, ConfigError, check_line_range, describe_optim, validate
+from stream_ctr.config import (Config, ConfigError, check_line_range, checkpoint_config, describe_optim,
+                               validate)
 from stream_ctr.serving.export import checkpoint_record
 from stream_ctr.serving.publisher import open_publisher
 from stream_ctr.train.evaluation import Accuracy, PrequentialWindow, accuracy
@@ -164,7 +165,7 @@ class Run:
         # A run or checkpoint root whose newest checkpoint is corrupt goes on from the newest valid one.
         state = load_checkpoint(resume, fall_back=True) if resume else None
         if state is not None:   # the model and optimizer settings are the checkpoint's
-            saved = Config.from_dict(state.config, origin=f"{resume} (checkpoint config)")
+            saved = checkpoint_config(state.config, origin=f"{resume} (checkpoint config)")
             refuse_changed_model(cfg, saved, resume)
             cfg.model, cfg.optim = saved.model, saved.optim
             cfg.store = resume_store_config(cfg.store, saved.store)   # where its rows live

@@ -98,6 +98,7 @@ def test_warmup_covers_the_same_samples_at_every_batch():
     for batch in (1024, 8192, 131072):
         cfg = _criteo_base(batch)
         cfg.optim.warmup_samples = 262_144
+        cfg.optim.rule_warmup_samples = 0        # the rule's floor is tested on its own below
         t = Trainer(cfg, n_fields=3, n_dense=2)
         lrs = []
         for samples in range(0, 400_000, 1024):     # the lr after `samples` trained ...
@@ -108,6 +109,33 @@ def test_warmup_covers_the_same_samples_at_every_batch():
     for samples, frac in ramps[131072].items():
         assert ramps[1024][samples] == ramps[8192][samples] == frac == min(1.0, samples / 262_144)
     assert len(ramps[131072]) == 4 and ramps[1024][131072] == 0.5
+
+
+def test_the_rule_warms_up_over_a_floor_of_samples_and_scales_beta2():
+    base = resolve_optim(_criteo_base(1024))
+    assert (base.warmup_samples, base.beta2) == (20_480, 0.999)           # s = 1: as configured
+    mid = resolve_optim(_criteo_base(32768))
+    assert mid.warmup_samples == 500_000 and math.isclose(mid.beta2, 0.999 ** 32)
+    big = _criteo_base(131072)
+    r = resolve_optim(big)
+    assert math.isclose(r.beta2, 0.999 ** min(128, big.optim.beta2_max_scale))
+    big.optim.warmup_samples, big.optim.beta2_rule = 2_000_000, "constant"
+    r = resolve_optim(big)
+    assert (r.warmup_samples, r.beta2) == (2_000_000, 0.999)              # a longer warm-up stays
+    unscaled = _criteo_base(131072)
+    unscaled.optim.scale_from_batch = 0
+    assert resolve_optim(unscaled).beta2 == 0.999 and resolve_optim(unscaled).warmup_samples == 20_480
+
+
+def test_a_checkpoint_from_before_the_beta2_rule_keeps_training_as_it_started():
+    from stream_ctr.config import checkpoint_config
+    old = Config().to_dict()
+    for name in ("beta2_rule", "rule_warmup_samples"):
+        del old["optim"][name]
+    cfg = checkpoint_config(old, origin="test")
+    assert (cfg.optim.beta2_rule, cfg.optim.rule_warmup_samples) == ("constant", 0)
+    new = checkpoint_config(Config().to_dict(), origin="test")
+    assert (new.optim.beta2_rule, new.optim.rule_warmup_samples) == ("scaled", 500_000)
 
 
 def test_legacy_warmup_steps_become_samples():
@@ -121,7 +149,10 @@ def test_scaling_options_are_validated():
                                  ("optim.cowclip_units", "sum", "cowclip_units"),
                                  ("optim.embed_lr_rule", "linear", "embed_lr_rule"),
                                  ("optim.l2_rule", "sqrt", "l2_rule"),
-                                 ("optim.embed_lr_max_scale", -1, "embed_lr_max_scale")):
+                                 ("optim.embed_lr_max_scale", -1, "embed_lr_max_scale"),
+                                 ("optim.beta2_rule", "linear", "beta2_rule"),
+                                 ("optim.beta2_max_scale", 0.5, "beta2_max_scale"),
+                                 ("optim.rule_warmup_samples", -1, "rule_warmup_samples")):
         cfg = Config()
         setattr(cfg.optim, option.split(".")[1], value)
         with pytest.raises(ConfigError, match=match):

@@ -174,7 +174,8 @@ def test_scale_from_resolves_for_the_batch_that_trains(tmp_path):
     out = run("train", "criteo:sample", "--batch-size", "256", "--scale-from", "64", "--limit", "2048",
               "--set", "optim.lr_dense=1e-3", "--set", "optim.l2=1e-5", "--set", "optim.lr_embed=1e-4",
               "--set", "optim.l2_rule=scaled",
-              "--set", "optim.warmup_samples=4096", "--threads", "1", "--run-dir", str(run_dir), "--json")
+              "--set", "optim.warmup_samples=4096", "--set", "optim.rule_warmup_samples=0",
+              "--threads", "1", "--run-dir", str(run_dir), "--json")
     assert out.returncode == 0, out.stderr
     assert "optim: batch 256 = 4 x base 64: lr_dense 0.002" in out.stderr     # printed at start
     assert "warm-up 4,096 samples (16 steps)" in out.stderr
