@@ -12,6 +12,7 @@
                   schema_builtin Criteo and Avazu in the schema language;
                   schema_infer a schema guessed from a sample
     files         file sources (plain or gzip), bundled samples
+    errors        SourceError, EmptySource, DamagedFile (files re-exports them)
     read_ahead    a source decoded on background threads, in file order, a bounded queue ahead
     dead_letter   where records that did not decode go
     synth         synthetic Criteo-format streams with a hidden teacher;

@@ -27,6 +27,8 @@ import numpy as np
 
 from stream_ctr.connectors.batch import Batch, Positions, Rejected
 from stream_ctr.connectors.decode import decode_lines
+# defined apart, so that modules which only raise them load no decoder (numba)
+from stream_ctr.connectors.errors import DamagedFile, EmptySource, SourceError  # noqa: F401
 from stream_ctr.connectors.formats import FORMATS, RecordFormat
 from stream_ctr.connectors.schema import Schema, SchemaError, parse_schema, schema_to_toml
 from stream_ctr.connectors.schema_decode import decode_records
@@ -47,40 +49,6 @@ READ_BYTES = 8 << 20          # bytes read from the (decompressed) stream at a t
 # or zlib.error), a failed read in OSError.
 READ_ERRORS = (OSError, EOFError, zlib.error)
 GZIP_MAGIC = b"\x1f\x8b"
-
-
-class SourceError(ValueError):
-    """A source cannot be opened because of something the user can fix."""
-
-
-class EmptySource(SourceError):
-    """The source holds no records: an empty file, an empty gzip, a header alone."""
-
-
-class DamagedFile(SourceError):
-    """A file that cannot be read to its end: a truncated or corrupt gzip, an I/O error.
-
-    Raised only once every complete line before the damage was returned (by
-    `FileSource`) or counted (by `count_readable`): `lines` is how many data
-    lines that is, which is also the offset where a reader of the repaired file
-    resumes. The line the damage cut short is never returned, not even as a
-    malformed record (its `cut_bytes` are counted in the message): the repaired
-    file holds it whole at offset `lines`, so resuming there loses nothing.
-    `cause` says how and where the stream broke off; `summary` is set by a
-    training run that trained the lines before it.
-    """
-
-    def __init__(self, path: str | Path, lines: int, cause: str, cut_bytes: int = 0,
-                 done: str = "were read", then: str = "re-copy it") -> None:
-        self.path, self.lines, self.cause, self.cut_bytes = Path(path), lines, cause, cut_bytes
-        self.summary = None
-        super().__init__(self.describe(done, then))
-
-    def describe(self, done: str, then: str = "re-copy it") -> str:
-        """The one-line message: `done` says what became of the lines before the damage."""
-        cut = f", the {self.cut_bytes:,} bytes of the line it cut short were dropped" if self.cut_bytes else ""
-        return (f"{self.path}: {self.cause}: the {self.lines:,} lines before it {done}{cut}; "
-                f"the file is damaged: {then}")
 
 
 class GzipDamage(OSError):

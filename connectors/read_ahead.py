@@ -12,13 +12,13 @@ thread holds one more while it waits for room.
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from stream_ctr.connectors.batch import Batch
+from stream_ctr.threads import usable_cores
 
 _END = object()
 
@@ -124,10 +124,11 @@ class ReadAhead:
 
 def decode_threads(configured: int, processes_per_host: int = 1) -> int:
     """The decoding threads of `data.decode_threads = configured`: as configured, or
-    with 0 one per 4 of this process's share of the cores (the ranks of a node share
-    them), 1 to 8. A 2-core machine keeps one (its cores train); a 16-core GPU host
-    running one process gets 4."""
+    with 0 one per 4 of the cores this process may use (`stream_ctr.threads.usable_cores`:
+    affinity and cgroup quota, shared by the ranks of a node), 1 to 8. A 2-core
+    machine keeps one (its cores train); a 16-core GPU host running one process gets 4.
+    The machine's load is left to the training threads: below 8 usable cores there
+    is one decoding thread anyway."""
     if configured:
         return configured
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(8, cores // max(1, processes_per_host) // 4))
+    return max(1, min(8, usable_cores(processes_per_host) // 4))

@@ -1,6 +1,7 @@
 """A synthetic JSON ad log: one impression per line, labels from a hidden teacher.
 
-Never a substitute for the real samples in accuracy checks (see DESIGN.md);
+Never a substitute for the real samples in accuracy checks (its labels come
+from a teacher of a known form, not from people clicking);
 it is what a user's own log looks like, for the schema path end to end.
 A record (16 leaves, one nested object, one list)::
 

@@ -149,7 +149,7 @@ def rows() -> list[tuple[str, list[dict]]]:
                 (f"1 - sum(rate(stream_ctr_cowclip_gradient_threshold_ratio_bucket{{job=~\"$job\", rank=~\"$rank\", le=\"1.0\"}}{RI}))"
                  f" / sum(rate(stream_ctr_cowclip_gradient_threshold_ratio_count{S}{RI}))", "clipped share")],
                 "percentunit", w=6, minmax=(0, None),
-                description="0 everywhere: the clip never binds (README, large batches)."),
+                description="0 everywhere: the clip never binds (docs/large-batches.md)."),
             panel("timeseries", "CowClip: ||gradient|| / threshold per row (bucket bounds)", [
                 (f"histogram_quantile(0.5, sum by (le) (rate(stream_ctr_cowclip_gradient_threshold_ratio_bucket{S}{RI})))",
                  "p50"),

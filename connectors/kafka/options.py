@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from urllib.parse import parse_qsl, urlsplit
 
-from stream_ctr.connectors.files import SourceError
+from stream_ctr.connectors.errors import SourceError
 from stream_ctr.connectors.formats import FORMATS, RecordFormat
 
 log = logging.getLogger("stream_ctr.connectors.kafka")

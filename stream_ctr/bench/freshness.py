@@ -28,7 +28,7 @@ from pathlib import Path
 
 CLI = [sys.executable, "-m", "stream_ctr"]
 PACKED = 50
-# tansu admits a group member only after half the session timeout (DESIGN.md): keep it short
+# tansu admits a group member only after half the session timeout: keep it short
 # (harmless on Apache Kafka for a bench's one consumer).
 BENCH_KAFKA = ("kafka.session_timeout_ms=6000", "kafka.heartbeat_interval_ms=1000")
 

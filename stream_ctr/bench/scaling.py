@@ -16,7 +16,7 @@ the base batch):
   none     every value as configured, at every batch;
   sqrt     both learning rates x sqrt(s); L2 and CowClip as configured;
   linear   both learning rates x s;
-  cowclip  the product's rule (`stream-ctr train --scale-from BASE`, see README),
+  cowclip  the product's rule (`stream-ctr train --scale-from BASE`, docs/large-batches.md),
            with whatever optim.* options the base config sets (e.g. the per-row
            count rule); the three baselines always use one embedding lr for every row.
 

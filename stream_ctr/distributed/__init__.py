@@ -1,4 +1,4 @@
-"""Several replicas of one job under torchrun (DESIGN.md step 7).
+"""Several replicas of one job under torchrun (docs/distributed.md).
 
     context         the process group, collectives that fail clearly on a lost rank
     merge           k-step merging of dense replicas (and hierarchical node groups)

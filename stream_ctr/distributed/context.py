@@ -1,7 +1,7 @@
 """Several replicas over torch.distributed: the process group and its collectives.
 
-DESIGN.md step 7. Dense replicas train on their own micro-batches and are
-averaged every k steps (PaddleBox's k-step Adam, reference/kstep_hps.md 2.3),
+Dense replicas train on their own micro-batches and are
+averaged every k steps (PaddleBox's k-step Adam; docs/distributed.md),
 by flag with their Adam moments; sparse rows have one owner each and never
 need merging (`stream_ctr.distributed.sharded_store`).
 

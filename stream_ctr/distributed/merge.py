@@ -1,4 +1,4 @@
-"""k-step merging of dense replicas (PaddleBox's k-step Adam, reference/kstep_hps.md 2.3).
+"""k-step merging of dense replicas (PaddleBox's k-step Adam).
 
 Dense replicas train on their own micro-batches and are averaged every k
 steps, weighted by the records each trained since the last merge, by flag
@@ -31,7 +31,7 @@ class MergeStats:
 
 
 class DenseMerger:
-    """k-step model merging of the dense replicas (reference/kstep_hps.md 2.3).
+    """k-step model merging of the dense replicas (as PaddleBox merges its dense replicas).
 
     `after_step(records)` is called by every rank after every lockstep step
     (records = rows it trained, 0 when idle); every k steps it averages the
@@ -51,8 +51,8 @@ class DenseMerger:
     the replicas train synchronously -- every step, before the dense optimizer
     steps, `reduce_gradients` replaces each rank's dense gradients by the node's
     records-weighted mean (an all-reduce), so the node's replicas take the same
-    Adam step and stay identical (PaddleBox's intra-node data parallelism,
-    reference/kstep_hps.md 2.3) -- and every k steps the merge runs across nodes,
+    Adam step and stay identical (PaddleBox's intra-node data parallelism)
+    -- and every k steps the merge runs across nodes,
     between ranks with the same local rank.
 
     Blocks in collectives; raises DistributedError when a peer is lost.

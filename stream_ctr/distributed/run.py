@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from stream_ctr.connectors.batch import Batch, Rejected
@@ -124,8 +123,6 @@ class DistributedRun(Run):
         root = Path(cfg.train.checkpoint_dir or Path(cfg.train.run_dir) / "checkpoints")
         job = jobs.open_job(resume, ctx.world_size) if resume else None
         super().__init__(rank_config(cfg, ctx), jobs.rank_checkpoint(job, ctx.rank) if job else None)
-        if not cfg.train.threads:         # ranks of a node share its cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.local_world_size))
         if job is not None and self.stream is not None:
             # A partition may have moved between ranks: whoever gets it now starts
             # where the job last trained it (the largest position of any rank).
@@ -180,8 +177,12 @@ class DistributedRun(Run):
         return super().open_source()
 
     @property
-    def processes_per_host(self) -> int:
+    def processes_per_host(self) -> int:       # ranks of a node share its cores
         return self.ctx.local_world_size
+
+    @property
+    def first_on_host(self) -> bool:
+        return self.ctx.local_rank == 0
 
     def file_share(self, source: FileSource):
         return StripedSource(source, self.ctx.rank, self.ctx.world_size) if self.ctx.world_size > 1 else source

@@ -1,7 +1,7 @@
 """Embedding rows sharded over the ranks of a job: one owner per key, exchanged each step.
 
-DESIGN.md steps 5-7 with several replicas (reference/kstep_hps.md 1.2, steps
-2 and 4): the owner of a key is `owner_of(key, world_size)`. Each step
+The trainer's working set and row update with several replicas, as a parameter
+server shards sparse rows: the owner of a key is `owner_of(key, world_size)`. Each step
 
     prepare(keys)   every rank sends the unique keys of its batch to their
                     owners (all-to-all); an owner makes the union resident in
@@ -10,7 +10,7 @@ DESIGN.md steps 5-7 with several replicas (reference/kstep_hps.md 1.2, steps
                     [U, d+1], and the slots are 0..U-1.
     update(...)     every rank sends its row gradients and counts back; the
                     owner sums them per key, so the counts are the GLOBAL
-                    counts CowClip needs (reference/cowclip.md 1.2) and the
+                    counts CowClip needs (its clip and lr scale by them) and the
                     gradient is that of the global mean loss, and applies
                     CowClip + Adam once, in its local store.
 

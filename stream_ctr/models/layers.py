@@ -1,7 +1,7 @@
 """Building blocks of the CTR models: Keras-compatible inits, MLP, linear logit,
 FM term, cross networks (DCN's vector form, DCNv2's low-rank mixture).
 
-Inits follow the CowClip repo / DeepCTR (reference/cowclip.md 2.2); see
+Inits follow the CowClip paper's code and DeepCTR (Keras initializers); see
 `stream_ctr.models.networks` for the models' contract.
 """
 from __future__ import annotations

@@ -19,12 +19,12 @@ where `w_lin` (no bias, absent when n_dense == 0) is the numeric-feature
 linear kernel and `bias` a global scalar (init 0).
 
 `CTRModel.l2_parameters()` names the tensors that carry an L2 penalty in the
-CowClip repo (reference/cowclip.md 2.3): "linear" -> [w_lin] (scaled l2, same
+CowClip paper's code: "linear" -> [w_lin] (scaled l2, same
 as the embedding tables), "cross" -> the cross-net kernels (DCN: w_l; DCNv2:
 U, V, C; fixed 1e-5). DNN weights, biases, the output layer and the DCNv2
 gating carry no L2.
 
-Inits follow the CowClip repo / DeepCTR (reference/cowclip.md 2.2): Keras
+Inits follow the CowClip paper's code and DeepCTR: Keras
 `glorot_normal` (a normal truncated at 2 sigma, rescaled so its variance is
 2 / (fan_in + fan_out), Keras fan rules for 3-D kernels) for every kernel,
 zeros for biases, Keras `glorot_uniform` for the DCNv2 gating (a default

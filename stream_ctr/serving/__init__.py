@@ -22,6 +22,8 @@
                arrays, the dense network): copy it next to the files and it runs alone
     portable_export  `export --portable`: writes those files from a bundle (ONNX or .pt2)
     commands   the `export`, `predict` and `serve` subcommands (argument parsing, summaries)
+    options    what those commands accept (precisions, network formats, HTTP stacks, the
+               server's per-client limits): plain values, so the parser loads no torch
 
 bundle, scorer and export may import store, models, config, connectors and ops
 (and torch, numpy), never train, distributed, bench or cli: scoring must not need

@@ -14,14 +14,10 @@ import numpy as np
 
 from stream_ctr.config import (HEAP_KEEP_RULE, Config, ConfigError, check_line_range, heap_keep_bytes_ok,
                                parse_bytes)
-from stream_ctr.connectors.files import SourceError, count_records, detect_format
-from stream_ctr.serving.bundle import read_bundle
-from stream_ctr.serving.export import checkpoint_record, export_bundle
-from stream_ctr.serving.follower import Follower, initial_bundle
-from stream_ctr.serving.kafka_publish import KafkaMirror, is_kafka_target
-from stream_ctr.serving.portable_export import NETWORKS, check_portable, write_portable
-from stream_ctr.serving.scorer import PRECISIONS, Scorer, score_file
-from stream_ctr.serving.server import HTTP_STACKS, Limits, Server
+from stream_ctr.connectors.errors import SourceError
+# The parsers need only these: the scoring stack (torch) and the decoders (numba) load
+# in the command that runs.
+from stream_ctr.serving.options import HTTP_STACKS, NETWORKS, PRECISIONS, Limits
 from stream_ctr.train.heap import keep_heap
 
 EXPORT_EPILOG = """examples:
@@ -146,6 +142,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import sys
     import torch
+    from stream_ctr.serving.bundle import read_bundle
+    from stream_ctr.serving.follower import Follower, initial_bundle
+    from stream_ctr.serving.kafka_publish import KafkaMirror, is_kafka_target
+    from stream_ctr.serving.scorer import Scorer
+    from stream_ctr.serving.server import Server
     limits = server_limits(args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -217,6 +218,8 @@ def server_limits(args: argparse.Namespace) -> Limits:
 
 def cmd_export(args: argparse.Namespace) -> tuple[dict, str]:
     from stream_ctr.distributed.job_checkpoint import find_job, is_job, load_any
+    from stream_ctr.serving.export import checkpoint_record, export_bundle
+    from stream_ctr.serving.portable_export import check_portable, write_portable
     from stream_ctr.train.checkpoint import resolve_checkpoint
     from stream_ctr.train.streaming import source_format
     state = load_any(args.run_dir)
@@ -256,6 +259,7 @@ def _resolved_precision(cfg: Config) -> str:
 def held_out_lines(cfg: Config) -> dict | None:
     """The run's held-out lines ({"source", "start", "stop"}) if it held some out of a
     file that is still there; else None."""
+    from stream_ctr.connectors.files import count_records, detect_format
     from stream_ctr.train.loop import held_out_start
     if cfg.data.holdout_fraction <= 0 or "://" in cfg.data.source:
         return None
@@ -280,6 +284,9 @@ def _lines(args: argparse.Namespace, run: dict, path: Path) -> tuple[int, int | 
 
 
 def cmd_predict(args: argparse.Namespace) -> tuple[dict, str]:
+    from stream_ctr.connectors.files import detect_format
+    from stream_ctr.serving.bundle import read_bundle
+    from stream_ctr.serving.scorer import Scorer, score_file
     from stream_ctr.train.evaluation import accuracy
     if args.chunk_records < 1:
         raise ConfigError(f"--chunk-records {args.chunk_records}: records scored at a time must be >= 1")

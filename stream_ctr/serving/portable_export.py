@@ -39,9 +39,9 @@ from stream_ctr.connectors import hashing
 from stream_ctr.connectors.formats import RecordFormat, format_by_name
 from stream_ctr.models.networks import build_model
 from stream_ctr.serving.bundle import Bundle, model_config_fields, read_bundle
+from stream_ctr.serving.options import NETWORKS  # noqa: F401  (defined where the CLI reads it without torch)
 from stream_ctr.serving.portable import FORMAT, FORMAT_VERSION, sha256
 
-NETWORKS = ("auto", "onnx", "torch")
 _EXAMPLE_BATCH = 4                  # traced batch; the batch dimension stays dynamic
 _CRITEO_CHECKS = [{"column": 0, "kind": "label"}]
 

@@ -44,9 +44,9 @@ from stream_ctr.connectors.schema import Schema, parse_schema
 from stream_ctr.connectors.schema_decode import decode_records
 from stream_ctr.serving.bundle import Bundle
 from stream_ctr.serving.metrics import ModelStatus, ServingMetrics
+from stream_ctr.serving.options import MAX_BODY_BYTES
 from stream_ctr.serving.scorer import Scorer
 
-MAX_BODY_BYTES = 64 << 20
 MAX_REASONS = 20                    # bad records named in one 400 answer
 
 

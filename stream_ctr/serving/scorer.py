@@ -25,10 +25,10 @@ from stream_ctr.models.networks import build_model
 from stream_ctr.models.field_inputs import batch_keys, field_inputs, field_rows
 from stream_ctr.ops.unique import unique_keys
 from stream_ctr.serving.bundle import Bundle, BundleError, model_config_fields
+from stream_ctr.serving.options import PRECISIONS  # noqa: F401  (defined where the CLI reads it without torch)
 from stream_ctr.serving.table import RowTable
 from stream_ctr.store.embedding import init_rows
 
-PRECISIONS = ("fp32", "bf16")
 
 
 class Scorer:

@@ -7,13 +7,11 @@
 
 The stack is the standard library's `ThreadingHTTPServer` (HTTP/1.1 keep-alive,
 TCP_NODELAY, one thread per connection), chosen by measurement against aiohttp
-3.14 (BENCHMARKS.md "Serving", `stream-ctr bench serve --http stdlib,aiohttp`,
-6 runs, 4 clients): at 1 record a request it had the lower p50 in 6 runs of 6
-(2.6-3.9 ms vs 2.8-5.4) and the lower p99 in 5; at 256 a request the two
-overlapped (38-70K vs 44-57K records/s). The time goes to decoding and scoring,
-not to I/O an event loop could overlap, so the async stack buys nothing here and
-would be a dependency more. `--http aiohttp` stays for the comparison when
-aiohttp is installed (it is not a dependency).
+(`stream-ctr bench serve --http stdlib,aiohttp`, BENCHMARKS.md "Serving"): the
+lower latency at 1 record a request, the same records/s at 256. The time goes to
+decoding and scoring, not to I/O an event loop could overlap, so the async stack
+buys nothing here and would be a dependency more. `--http aiohttp` stays for the
+comparison when aiohttp is installed (it is not a dependency).
 
 A client cannot hang or crash the server (`Limits`): a connection waits at most
 `idle_timeout_s` for its next request, and a request must arrive whole within
@@ -34,7 +32,6 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -42,43 +39,12 @@ from typing import Any
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from stream_ctr.serving.predictor import MAX_BODY_BYTES, Predictor
+from stream_ctr.serving.options import HTTP_STACKS, Limits  # noqa: F401  (the CLI reads them without torch)
+from stream_ctr.serving.predictor import Predictor
 from stream_ctr.serving.scorer import Scorer
 
-HTTP_STACKS = ("stdlib", "aiohttp")
 JSON = "application/json"
 ROUTES = "GET /healthz, GET /metrics, POST /predict"
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one client may hold of the server (the stdlib stack; aiohttp takes max_body_bytes).
-
-    idle_timeout_s     a connection waiting this long for its next request is closed (the
-                       default outlives a load balancer's usual 60 s keep-alive, so the
-                       balancer, not the server, ends an idle connection)
-    request_timeout_s  a request's line, headers and body must arrive within this long of its
-                       first byte, and its answer be taken within as long, or it is dropped (408)
-    max_body_bytes     a larger POST /predict body is refused unread (413); at most the
-                       decoder's own limit, MAX_BODY_BYTES
-    max_connections    connections served at once; one more is answered 503 and closed
-    """
-    idle_timeout_s: float = 75.0
-    request_timeout_s: float = 30.0
-    max_body_bytes: int = MAX_BODY_BYTES
-    max_connections: int = 256
-
-    def __post_init__(self) -> None:
-        if not self.idle_timeout_s > 0:
-            raise ValueError(f"idle timeout {self.idle_timeout_s} s: must be > 0 (--idle-timeout-s)")
-        if not self.request_timeout_s > 0:
-            raise ValueError(f"request timeout {self.request_timeout_s} s: must be > 0 "
-                             "(--request-timeout-s)")
-        if not 0 < self.max_body_bytes <= MAX_BODY_BYTES:
-            raise ValueError(f"max body {self.max_body_bytes:,} bytes: must be 1-{MAX_BODY_BYTES:,} "
-                             "(--max-body-bytes; the decoder takes no more)")
-        if self.max_connections < 1:
-            raise ValueError(f"max connections {self.max_connections}: must be >= 1 (--max-connections)")
 
 
 # Bodies the predictor decodes (predictor.parse_body): a JSON array under any JSON type, or

@@ -1,5 +1,5 @@
 """Where embedding rows live: one in-memory table, or a tiered store of device cache,
-host RAM and LMDB on disk (DESIGN.md "Embedding store").
+host RAM and LMDB on disk (docs/tiers-and-sizing.md).
 
 Modules, one concern each:
     layout        the row bytes, the same in every tier

@@ -3,7 +3,8 @@
 A row holds `dim + 1` float32 values: the d-dim embedding the interaction
 layers use, then the 1-dim "linear" weight of the same sign (one lookup serves
 both). Each row has Adam moments of the same shape. CowClip clips only the
-first `dim` columns (reference/cowclip.md section 6.5).
+first `dim` columns: the linear weight is a scalar per
+feature, which the paper's column-wise clip leaves alone.
 
 A new row's initial values are a pure function of (key, seed): the same key
 starts from the same embedding whatever tier, replica or arrival order created

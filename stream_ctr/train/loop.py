@@ -36,6 +36,7 @@ from stream_ctr.connectors.kafka.options import KafkaUrl
 from stream_ctr.train.streaming import (declared_schema, new_stream_batcher, open_dead_letter, source_format,
                                   stream_batches, stream_url)
 from stream_ctr.store import resume_store_config
+from stream_ctr.threads import ThreadChoice, choose_threads
 from stream_ctr.train.trainer import Trainer, resolve_device
 
 if TYPE_CHECKING:     # kafka-python is imported only by runs that read a topic
@@ -50,7 +51,7 @@ class RunSummary:
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
     batches: int = 0
     skipped_batches: int = 0
-    # CowClip diagnostics (reference/cowclip.md 6.10): share of the embedding
+    # CowClip diagnostics: share of the embedding
     # rows present in a batch whose gradient was clipped, and at the norm floor.
     clipped_row_fraction: float = 0.0
     floor_row_fraction: float = 0.0
@@ -82,13 +83,17 @@ class RunSummary:
         return out
 
 
-def configure_torch(cfg: Config) -> None:
+def configure_torch(cfg: Config, processes_per_host: int = 1) -> ThreadChoice:
+    """Set up torch for one of `processes_per_host` processes of a job on this host;
+    returns the intra-op threads it chose (train.threads, else `choose_threads`)."""
     # Gradients of saturated units underflow to denormals, which x86 cores
     # process up to 100x slower (measured: a 4x slower DeepFM step); flush them.
     torch.set_flush_denormal(True)
     keep_heap(cfg.train.heap_keep_bytes)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    # Never torch's default (every online core): its spinning OpenMP pool collapses
+    # when another process keeps the cores busy (stream_ctr/threads.py).
+    threads = choose_threads(cfg.train.threads, processes_per_host)
+    torch.set_num_threads(threads.threads)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         # With deterministic algorithms torch also fills every new tensor with NaN, a guard
@@ -97,6 +102,7 @@ def configure_torch(cfg: Config) -> None:
         # at batch 8,192, 2 of them [B, 403] (torch.profiler). The guard stays on CUDA, whose
         # Triton outputs those tests never run.
         torch.utils.deterministic.fill_uninitialized_memory = resolve_device(cfg.train.device).type != "cpu"
+    return threads
 
 
 def revoke_hook(run: "Run"):
@@ -171,7 +177,7 @@ class Run:
             cfg.store = resume_store_config(cfg.store, saved.store)   # where its rows live
             resume_data_config(cfg, saved)
         validate(cfg)
-        configure_torch(cfg)
+        self.threads = configure_torch(cfg, self.processes_per_host)
         self.cfg = cfg
         self.stream = stream_url(cfg)         # a kafka:// source, else None (a file)
         self.stream_ended = False
@@ -243,6 +249,9 @@ class Run:
         self.publisher = open_publisher(cfg, self.fmt)
         if self.publisher is not None and state is not None:
             self.publish(state.tensors, state.path, state)
+        # Once nothing refuses the run: a refusal stays the one line it prints.
+        if self.threads.warning and self.first_on_host:
+            print(self.threads.warning, file=sys.stderr, flush=True)
 
     def source_lag(self) -> dict[str, int]:
         """Consumer lag of the file source: records of the training range not yet trained."""
@@ -274,8 +283,10 @@ class Run:
         self.source = source
         return source
 
-    # Processes of this job on one host, sharing its cores (a distributed run's ranks).
+    # Processes of this job on one host, sharing its cores (a distributed run's ranks),
+    # and whether this one speaks for them (a note about the host is printed once).
     processes_per_host = 1
+    first_on_host = True
 
     def file_share(self, source: FileSource):
         """The records of the file this process trains: all of them (a rank of a

@@ -1,6 +1,6 @@
 """The model, its embedding store and both optimizers, with one method per phase.
 
-`train_step` is the whole step of DESIGN.md (working set, gather, forward,
+`train_step` is the whole training step (working set, gather, forward,
 mean BCE, backward, dense Adam with warm-up, CowClip + sparse Adam on the rows
 present). Its forward pass runs on the pre-update weights, so the scores it
 returns are the prequential scores of the batch: no second forward needed.
@@ -150,7 +150,7 @@ class Trainer:
 
     def dense_lr(self, step: int) -> float:
         """Linear warm-up to lr_dense over optim.warmup_samples, then flat
-        (reference/cowclip.md 2.1: the paper's ramp spans an epoch of samples whatever
+        (as in the CowClip paper, the ramp spans a number of samples whatever
         the batch). Progress is step x data.batch_size, this step's batch included: the
         job's step count, so every replica (idle ones too) is at the same point."""
         warm = self.optim.warmup_samples

@@ -1,10 +1,11 @@
-"""Every command of the README's Kafka section, run verbatim against a local broker.
+"""Every command of docs/kafka.md's "Replay into a topic and train from it", run verbatim
+against a local broker.
 
 Only the broker address changes (`broker:9092` -> the test broker). The commands
 run through bash in a scratch directory that holds the files they name
 (`day_0.gz`, `train.gz`: the bundled Criteo and Avazu samples), with this
 interpreter's `stream-ctr` first on PATH. A Kafka run is one long epoch: the
-test stops each `train` with SIGTERM, as the README says a user does, once its
+test stops each `train` with SIGTERM, as the page says a user does, once its
 time series shows every record trained.
 """
 from __future__ import annotations
@@ -26,13 +27,14 @@ from stream_ctr.connectors.kafka.sink import topic_partitions
 from stream_ctr.connectors.kafka.options import parse_kafka_url
 from tests.kafka_broker import KafkaHelper
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+KAFKA_DOC = Path(__file__).resolve().parents[3] / "docs" / "kafka.md"
+SECTION = "Replay into a topic and train from it"
 CRITEO_LINES, AVAZU_LINES = 14_493, 9_999
 
 
 def readme_section_commands(title: str) -> list[str]:
-    """The shell commands of the README section `## title`, continuation lines joined."""
-    text = README.read_text()
+    """The shell commands of the docs/kafka.md section `## title`, continuation lines joined."""
+    text = KAFKA_DOC.read_text()
     section = text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
@@ -42,7 +44,7 @@ def readme_section_commands(title: str) -> list[str]:
 
 @pytest.fixture
 def user_shell(tmp_path: Path):
-    """A scratch directory holding the README's input files, and an environment
+    """A scratch directory holding the page's input files, and an environment
     whose PATH starts with a `stream-ctr` that runs this interpreter's package."""
     shutil.copy(SAMPLE_PATHS["criteo"], tmp_path / "day_0.gz")
     shutil.copy(SAMPLE_PATHS["avazu"], tmp_path / "train.gz")
@@ -71,7 +73,7 @@ def trained_records(run_dir: Path) -> int:
 
 def train_until(command: str, cwd: Path, env: dict, run_dir: Path, records: int,
                 timeout_s: float = 180) -> tuple[int, str, str]:
-    """Start a README `train`, SIGTERM it once the run has trained `records`; (code, stdout, stderr)."""
+    """Start the page's `train`, SIGTERM it once the run has trained `records`; (code, stdout, stderr)."""
     proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -96,12 +98,12 @@ def partitions(bootstrap: str, topic: str) -> int:
 
 
 def test_readme_kafka_section_runs_verbatim(fresh_broker, user_shell):
-    """A broker of its own: the README's topic names are fixed, so no other test may hold them."""
+    """A broker of its own: the page's topic names are fixed, so no other test may hold them."""
     cwd, env = user_shell
     bootstrap = fresh_broker.bootstrap
     kafka = KafkaHelper(bootstrap)
-    commands = [c.replace("broker:9092", bootstrap) for c in readme_section_commands("Kafka")]
-    replay_criteo, replay_avazu, train, resume = commands     # the README shows exactly these four
+    commands = [c.replace("broker:9092", bootstrap) for c in readme_section_commands(SECTION)]
+    replay_criteo, replay_avazu, train, resume = commands     # the section shows exactly these four
     assert replay_criteo.startswith("stream-ctr replay criteo:day_0.gz")
     assert replay_avazu.startswith("stream-ctr replay avazu:train.gz")
     assert train.startswith("stream-ctr train 'kafka://") and "--resume" in resume
@@ -121,7 +123,7 @@ def test_readme_kafka_section_runs_verbatim(fresh_broker, user_shell):
     assert re.search(rf"trained {CRITEO_LINES:,} records", out), out
     assert list((run_dir / "checkpoints").glob("ckpt-*"))
 
-    # New traffic arrives (the same replay again), then the README's resume line:
+    # New traffic arrives (the same replay again), then the page's resume line:
     # it continues in runs/clicks and trains exactly the new records.
     done = run_verbatim(replay_criteo, cwd, env)
     assert done.returncode == 0, done.stderr[-3000:]
