@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.doc_shell import listening
+
 CLI = [sys.executable, "-m", "stream_ctr"]
 
 
@@ -25,14 +27,6 @@ def start(*args: str) -> tuple[subprocess.Popen, str]:
         _, err = proc.communicate(timeout=60)
         pytest.fail(f"stream-ctr broker printed nothing: {err[-3000:]}")
     return proc, first
-
-
-def listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 def wait_closed(port: int, timeout_s: float = 30) -> bool:

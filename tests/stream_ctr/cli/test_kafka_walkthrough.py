@@ -9,46 +9,31 @@ stops the broker, which must exit 0 and leave nothing listening.
 """
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-KAFKA_DOC = Path(__file__).resolve().parents[3] / "docs" / "kafka.md"
+from tests.doc_shell import DOCS, listening, section_commands, stream_ctr_on_path
+
+KAFKA_DOC = DOCS / "kafka.md"
 SECTION = "Try it locally"
 SAMPLE_RECORDS = 14_493                 # the bundled Criteo sample
 
 
 def walkthrough_commands() -> list[str]:
-    """The shell commands of the section `## Try it locally`, continuation lines joined."""
-    text = KAFKA_DOC.read_text()
-    assert f"\n## {SECTION}\n" in text, f"{KAFKA_DOC} has no section '## {SECTION}'"
-    section = text.split(f"\n## {SECTION}\n", 1)[1].split("\n## ", 1)[0]
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
-        commands += [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip()]
-    return commands
+    return section_commands(KAFKA_DOC, SECTION)
 
 
 @pytest.fixture
 def user_shell(tmp_path: Path):
-    """A scratch directory, and an environment whose PATH starts with a `stream-ctr`
-    that runs this interpreter's package."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    shim = bin_dir / "stream-ctr"
-    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m stream_ctr "$@"\n')
-    shim.chmod(0o755)
+    """A scratch directory, and an environment whose `stream-ctr` is this package."""
     work = tmp_path / "work"
     work.mkdir()
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    return work, env
+    return work, stream_ctr_on_path(tmp_path / "bin")
 
 
 def start_broker(command: str, cwd: Path, env: dict) -> tuple[subprocess.Popen, int]:
@@ -62,14 +47,6 @@ def start_broker(command: str, cwd: Path, env: dict) -> tuple[subprocess.Popen, 
         _, err = proc.communicate()
         pytest.fail(f"`{command}` printed {first!r}, no kafka://127.0.0.1:PORT; stderr: {err[-3000:]}")
     return proc, int(found.group(1))
-
-
-def listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 def test_try_it_locally_runs_as_written(user_shell):

@@ -11,12 +11,10 @@ time series shows every record trained.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,21 +23,16 @@ import pytest
 from stream_ctr.connectors.files import SAMPLE_PATHS
 from stream_ctr.connectors.kafka.sink import topic_partitions
 from stream_ctr.connectors.kafka.options import parse_kafka_url
+from tests.doc_shell import DOCS, section_commands, stream_ctr_on_path
 from tests.kafka_broker import KafkaHelper
 
-KAFKA_DOC = Path(__file__).resolve().parents[3] / "docs" / "kafka.md"
+KAFKA_DOC = DOCS / "kafka.md"
 SECTION = "Replay into a topic and train from it"
 CRITEO_LINES, AVAZU_LINES = 14_493, 9_999
 
 
 def readme_section_commands(title: str) -> list[str]:
-    """The shell commands of the docs/kafka.md section `## title`, continuation lines joined."""
-    text = KAFKA_DOC.read_text()
-    section = text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
-        commands += [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip()]
-    return commands
+    return section_commands(KAFKA_DOC, title)
 
 
 @pytest.fixture
@@ -48,13 +41,7 @@ def user_shell(tmp_path: Path):
     whose PATH starts with a `stream-ctr` that runs this interpreter's package."""
     shutil.copy(SAMPLE_PATHS["criteo"], tmp_path / "day_0.gz")
     shutil.copy(SAMPLE_PATHS["avazu"], tmp_path / "train.gz")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    shim = bin_dir / "stream-ctr"
-    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m stream_ctr "$@"\n')
-    shim.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    return tmp_path, env
+    return tmp_path, stream_ctr_on_path(tmp_path / "bin")
 
 
 def run_verbatim(command: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,14 +13,7 @@ import pytest
 from stream_ctr.chaos.verify import same_tensors
 from stream_ctr.train.checkpoint import CorruptCheckpoint, load_checkpoint
 
-CLI = [sys.executable, "-m", "stream_ctr"]
-SMALL = ["--batch-size", "64", "--threads", "1", "--quiet", "--json", "--set", "model.mlp_dims=16"]
-EXIT_STATE = 4
-
-
-def cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(CLI + ["train", *SMALL, *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+from tests.stream_ctr.train.small_run import EXIT_STATE, cli
 
 
 @pytest.fixture(scope="module")

@@ -7,21 +7,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from stream_ctr.train.checkpoint import load_checkpoint
 from stream_ctr.train.run_dir import DirLock
 
-CLI = [sys.executable, "-m", "stream_ctr"]
-SMALL = ["--batch-size", "64", "--threads", "1", "--quiet", "--json", "--set", "model.mlp_dims=16"]
-EXIT_STATE = 4
-
-
-def cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(CLI + ["train", *SMALL, *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+from tests.stream_ctr.train.small_run import CLI, EXIT_STATE, SMALL, cli
 
 
 def start_long_run(cwd: Path, run_dir: str) -> subprocess.Popen:
