@@ -264,6 +264,8 @@ def record_inputs(spec: dict[str, Any], records: Sequence[str | bytes] | np.ndar
 
 
 def sha256(path: Path) -> str:
+    # Not the bundle's or the checkpoint's helper: this module imports nothing from
+    # stream_ctr, so it can be copied next to an export and run alone.
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
