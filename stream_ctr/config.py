@@ -135,7 +135,7 @@ class TrainConfig:
     device: str = "auto"            # auto | cpu | cuda | cuda:N
     # The dense model's matmuls: "bf16" (autocast; weights, rows, Adam and CowClip stay
     # fp32), "fp32", or "auto" = bf16 where the hardware runs it fast (CUDA 8.0+, a CPU
-    # with AMX or AVX512-BF16), fp32 elsewhere (train/precision.py).
+    # with AMX or AVX512-BF16), fp32 elsewhere (models/scoring.py).
     precision: str = "auto"         # auto | fp32 | bf16
     # CUDA: synchronize at each step-phase boundary so the phase metrics charge each
     # phase its own GPU time (costs some CPU/GPU overlap; CPU runs are always exact).

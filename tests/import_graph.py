@@ -20,7 +20,7 @@ PACKAGE_DIRS = {"stream_ctr": "stream_ctr", "connectors": "stream_ctr.connectors
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("stream_ctr.__main__",),
     ("stream_ctr.cli",),
-    ("stream_ctr.bench", "stream_ctr.monitoring", "stream_ctr.serving.commands", "stream_ctr.chaos"),
+    ("stream_ctr.bench", "stream_ctr.monitoring", "stream_ctr.chaos"),
     ("stream_ctr.distributed",),
     ("stream_ctr.train",),
     ("stream_ctr.serving",),       # bundles and scoring: below train, so a trainer can publish
@@ -141,3 +141,20 @@ def unplaced(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
     """Modules no layer names (every module must have a place)."""
     roots = {p.split(".")[0] for layer in layers for p in layer}
     return sorted(m for m in graph if m not in roots and layer_of(m, layers) is None)
+
+
+def folder_of(module: str) -> str:
+    """The folder a module lives in, as a package name: `stream_ctr.train.loop` ->
+    `stream_ctr.train`; a top-level module (`stream_ctr.config`) is its own."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else module
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between folders: an arrow where any module of one imports any
+    module of the other (imports inside a folder are left out)."""
+    out: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        fa = folder_of(a)
+        out.setdefault(fa, set()).update(fb for fb in map(folder_of, targets) if fb != fa)
+    return out

@@ -7,11 +7,23 @@ from __future__ import annotations
 
 import textwrap
 
-from tests.import_graph import (LAYERS, cycles, import_graph, layer_violations, unplaced)
+from tests.import_graph import (LAYERS, cycles, folder_graph, import_graph, layer_violations, unplaced)
 
 
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
+
+
+def test_folders_import_each_other_without_cycles():
+    """Modules may be acyclic while their folders are not (train.a -> serving.b ->
+    train.c): the folders are what a reader navigates, so they are checked too."""
+    assert cycles(folder_graph(import_graph())) == []
+
+
+def test_serving_imports_neither_train_nor_distributed():
+    """A predict server loads a bundle: it must not pull in the trainer or torch.distributed."""
+    folders = folder_graph(import_graph())
+    assert folders["stream_ctr.serving"] & {"stream_ctr.train", "stream_ctr.distributed"} == set()
 
 
 def test_imports_flow_down_the_layers():
@@ -86,3 +98,18 @@ def test_checker_finds_upward_and_sibling_imports(tmp_path):
 def test_layers_name_the_installed_packages():
     names = {p for layer in LAYERS for p in layer}
     assert {"stream_ctr.connectors", "stream_ctr.ops", "stream_ctr.cli", "stream_ctr.bench"} <= names
+
+
+def test_folder_check_finds_a_cycle_between_folders_of_acyclic_modules(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/train/__init__.py": "",
+        "pkg/train/loop.py": "from pkg.serving import export\n",
+        "pkg/train/heap.py": "",
+        "pkg/serving/__init__.py": "",
+        "pkg/serving/export.py": "",
+        "pkg/serving/commands.py": "from pkg.train import heap\n",
+    })
+    graph = import_graph({"pkg": "pkg"}, tmp_path)
+    assert cycles(graph) == []
+    assert cycles(folder_graph(graph)) == [["pkg.serving", "pkg.train"]]

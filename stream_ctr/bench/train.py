@@ -51,7 +51,7 @@ def _bench_config(model: str, batch_size: int, threads: int, precision: str = "a
 def bare_mlp_samples_per_s(in_features: int, hidden: tuple[int, ...], batch_size: int,
                            precision: str, device: torch.device, min_seconds: float = 1.0) -> float:
     """Samples/s of forward + BCE + backward + Adam for a bare MLP (ReLU, one output)."""
-    from stream_ctr.train.precision import autocast
+    from stream_ctr.models.scoring import autocast
     torch.manual_seed(0)
     dims = (in_features, *hidden)
     layers: list[torch.nn.Module] = []

@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_schema_parser(sub)
     from stream_ctr.cli.resources import add_resource_parsers
     add_resource_parsers(sub, _add_common)
-    from stream_ctr.serving.commands import add_serving_parsers
+    from stream_ctr.cli.serving import add_serving_parsers
     add_serving_parsers(sub, _add_common)
     from stream_ctr.chaos.commands import add_chaos_parser
     add_chaos_parser(sub, _add_common)

@@ -21,13 +21,13 @@
     portable   a numpy-only reference scorer of a portable export (spec.json, key and row
                arrays, the dense network): copy it next to the files and it runs alone
     portable_export  `export --portable`: writes those files from a bundle (ONNX or .pt2)
-    commands   the `export`, `predict` and `serve` subcommands (argument parsing, summaries)
-    options    what those commands accept (precisions, network formats, HTTP stacks, the
+    options    what the serving commands (cli/serving.py) accept (precisions, network formats, HTTP stacks, the
                server's per-client limits): plain values, so the parser loads no torch
 
-bundle, scorer and export may import store, models, config, connectors and ops
-(and torch, numpy), never train, distributed, bench or cli: scoring must not need
-the trainer. The package sits below train (the train loop calls the publisher);
-`commands` alone sits above it, beside bench (tests/import_graph.py), because it
-reads checkpoints and reports AUC with the trainer's metric code.
+May import store, telemetry, models (the forward and precision are
+`models.scoring`, shared with the trainer), config, connectors and ops (and
+torch, numpy); never train, distributed, bench or cli: scoring must not need the
+trainer. The package sits below train (the train loop calls the publisher); the
+commands that read checkpoints live in cli/serving.py (tests/test_layout.py
+checks both the modules and the folders).
 """

@@ -1,16 +1,15 @@
 """Scoring with a bundle: decoded batches -> click probabilities, vectorized.
 
-The path of one batch is the trainer's `predict`, step for step, so the numbers
-are the same bit for bit (tests/stream_ctr/serving/test_export_predict.py):
-unique keys (`ops.unique.unique_keys`), their rows (binary search in the bundle's sorted
-keys; an absent key gets its initial row from `init_rows`, as `store.peek`
-does), the gather, the model's forward in eval mode under the bundle's
-precision (bf16 autocast or none), sigmoid. No Python loop over records.
-`stream-ctr predict` and a future HTTP server share this class.
+The path of one batch is the trainer's `predict`: both are
+`models.scoring.probabilities`, so the numbers are the same bit for bit
+(tests/stream_ctr/serving/test_export_predict.py). Only the rows differ in where
+they come from: here a binary search in the bundle's sorted keys, an absent key
+getting its initial row from `init_rows` as `store.peek` does. No Python loop
+over records. `stream-ctr predict` and `serve` share this class.
 """
 from __future__ import annotations
 
-import contextlib
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +17,11 @@ import torch
 
 from stream_ctr.config import ConfigError, ModelConfig
 from stream_ctr.connectors.batch import Batch
-from stream_ctr.connectors.files import FileSource
 from stream_ctr.connectors.formats import RecordFormat
 from stream_ctr.connectors.schema import SchemaError, parse_schema
 from stream_ctr.models.networks import build_model
-from stream_ctr.models.field_inputs import batch_keys, field_inputs, field_rows
-from stream_ctr.ops.unique import unique_keys
+from stream_ctr.models.field_inputs import field_rows
+from stream_ctr.models.scoring import probabilities, score_file as score_source
 from stream_ctr.serving.bundle import Bundle, BundleError, model_config_fields
 from stream_ctr.serving.options import PRECISIONS  # noqa: F401  (defined where the CLI reads it without torch)
 from stream_ctr.serving.table import RowTable
@@ -89,39 +87,19 @@ class Scorer:
             rows[absent] = init_rows(keys[absent], self.dim, self.init_std, self.seed)
         return rows
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    @torch.no_grad()
     def score(self, batch: Batch) -> np.ndarray:
         """Click probabilities float32 [B] of a decoded batch."""
         if batch.n_fields + batch.n_multi != self.n_fields or batch.n_dense != self.n_dense:
             raise BundleError(f"records with {batch.n_fields + batch.n_multi} key and {batch.n_dense} dense fields, "
                               f"the bundle's model takes {self.n_fields} and {self.n_dense} "
                               f"({self.bundle.manifest['record_format']['name']} records)")
-        dense = torch.from_numpy(batch.dense).to(self.device)
-        keys = torch.from_numpy(batch_keys(batch, self.field_rows)).to(self.device)  # fixed, then multi-hot
-        uniq, inverse, _ = unique_keys(keys)
-        emb, lin = field_inputs(self.rows(uniq), inverse, batch, self.dim, self.field_rows)
-        with self._autocast():
-            logits = self.model(emb, lin, dense)
-        return torch.sigmoid(logits.float()).cpu().numpy()
+        return probabilities(self.model, self.rows, batch, self.dim, self.field_rows, self.precision, self.device)
 
 
 def score_file(scorer: Scorer, path: str | Path, fmt: RecordFormat, start: int = 0,
                stop: int | None = None, chunk_records: int = 65536) -> tuple[np.ndarray, np.ndarray, int]:
     """(probabilities, labels, rejected lines) of data lines [start, stop) of a file.
     Lines that do not decode are skipped (and counted), as training skips them."""
-    probs, labels, rejected = [], [], 0
-    with FileSource(path, fmt, start_offset=start, chunk_records=chunk_records, stop_offset=stop) as src:
-        while not src.exhausted:
-            chunk, bad = src.read()
-            rejected += len(bad)
-            if len(chunk):
-                probs.append(scorer.score(chunk))
-                labels.append(chunk.labels)
-    if not probs:
-        return np.zeros(0, np.float32), np.zeros(0, np.float32), rejected
-    return np.concatenate(probs), np.concatenate(labels), rejected
+    rejected: Counter[str] = Counter()
+    probs, labels = score_source(scorer.score, path, fmt, start, stop, chunk_records, rejected)
+    return probs, labels, sum(rejected.values())

@@ -6,11 +6,10 @@
     streaming   Kafka sources: latency-bounded batches, dead letters
     offset_batches  Kafka batches as a function of offsets (kafka.deterministic_batches)
     trainer     the model, its store and both optimizers; one step
-    precision   fp32 or bf16 (autocast) for the dense model, by hardware
     heap        glibc malloc kept from returning a step's memory to the kernel
     checkpoint  atomic, checksummed checkpoints with the source position
     evaluation  AUC, logloss, calibration, the prequential window
 
-May import store, telemetry, models, config, connectors and ops; never
-distributed, bench or cli.
+May import serving (to publish), store, telemetry, models, config, connectors and
+ops; never distributed, bench or cli.
 """

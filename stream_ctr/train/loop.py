@@ -21,6 +21,7 @@ from stream_ctr.connectors.files import (DamagedFile, EmptySource, FileSource, S
                                          detect_format)
 from stream_ctr.connectors.read_ahead import ReadAhead, decode_threads
 from stream_ctr.train.heap import keep_heap
+from stream_ctr.models.scoring import no_records_error, score_file
 from stream_ctr.train.checkpoint import CheckpointState, holds_checkpoint, load_checkpoint, save_checkpoint
 from stream_ctr.config import (Config, ConfigError, check_line_range, checkpoint_config, describe_optim,
                                validate)
@@ -605,21 +606,11 @@ def score(trainer: Trainer, path: Path, fmt, start_offset: int, stop_offset: int
           chunk_records: int, rejected: Counter[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Scores and labels of records [start_offset, stop_offset), without training on them.
     Records that do not decode are not scored; `rejected` (if given) counts them by reason."""
-    probs, labels = [], []
     rejected = Counter() if rejected is None else rejected
-    with FileSource(path, fmt, start_offset=start_offset, chunk_records=chunk_records,
-                    stop_offset=stop_offset) as source:
-        while not source.exhausted:
-            chunk, bad = source.read()
-            rejected.update(r.reason for r in bad)
-            if len(chunk):
-                probs.append(trainer.predict(chunk))
-                labels.append(chunk.labels)
-    if not probs:
-        why = (f": all {sum(rejected.values()):,} records there were rejected ({rejection_note(rejected)}); "
-               "is it the layout and schema the run trained on?") if rejected else ""
-        raise SourceError(f"no records to evaluate in {path} from offset {start_offset}{why}")
-    return np.concatenate(probs), np.concatenate(labels)
+    probs, labels = score_file(trainer.predict, path, fmt, start_offset, stop_offset, chunk_records, rejected)
+    if not len(probs):
+        raise no_records_error(path, start_offset, rejected)
+    return probs, labels
 
 
 def held_out_start(n_total: int, holdout_fraction: float) -> int:

@@ -26,9 +26,8 @@ from stream_ctr.config import Config, resolve_optim
 from stream_ctr.store.embedding import EmbeddingStore
 from stream_ctr.store import build_store
 from stream_ctr.models.networks import build_model
-from stream_ctr.models.field_inputs import FieldRows, batch_keys, field_inputs, model_fields
-from stream_ctr.ops.unique import unique_keys
-from stream_ctr.train.precision import autocast, resolve_precision
+from stream_ctr.models.field_inputs import FieldRows, model_fields
+from stream_ctr.models.scoring import logits, probabilities, resolve_precision, working_set
 
 
 def resolve_device(name: str) -> torch.device:
@@ -205,25 +204,18 @@ class Trainer:
         return cls(cfg, n_fields, fmt.n_dense, keys_per_record=keys_per_record, field_rows=rows, **kwargs)
 
     def _forward(self, rows: torch.Tensor, inverse: torch.Tensor, batch: Batch,
-                 dense: torch.Tensor, model: torch.nn.Module | None = None) -> torch.Tensor:
-        """Logits from unique rows [U, d+1] and each key's index into them (`batch_keys`
-        order: B*F fixed keys, then the multi-hot values), through `field_inputs`:
-        the model sees [B, F + M] fields, the M multi-hot ones pooled."""
-        emb, lin = field_inputs(rows, inverse, batch, self.cfg.model.embed_dim, self.field_rows)
-        if emb.shape[1] != self.n_fields:
-            raise ValueError(f"batch has {batch.n_fields} key and {batch.n_multi} multi-hot fields, "
-                             f"the model takes {self.n_fields} fields")
-        with autocast(self.precision, self.device):
-            logits = (model or self.model)(emb, lin, dense)
-        return logits.float()
+                 dense: torch.Tensor) -> torch.Tensor:
+        """The live model's logits from unique rows [U, d+1] and each key's index into
+        them (`models.scoring.logits`, which eval, predict and serve run too)."""
+        return logits(self.model, rows, inverse, batch, dense, self.cfg.model.embed_dim, self.field_rows,
+                      self.precision, self.device, n_inputs=self.n_fields)
 
     def _working_set(self, batch: Batch) -> tuple[torch.Tensor, ...]:
         """Unique signs over the fixed keys and every multi-hot value, each key's index
         into them, and in-batch counts (CowClip's cnt: every occurrence of an id)."""
         if self._next is not None and self._next[0] is batch:
             return self._next[1]
-        keys = torch.from_numpy(batch_keys(batch, self.field_rows)).to(self.device, non_blocking=True)
-        return unique_keys(keys)
+        return working_set(batch, self.field_rows, self.device)
 
     def _clock(self) -> float:
         """A phase boundary. With train.sync_phases on CUDA the queued kernels finish
@@ -288,19 +280,11 @@ class Trainer:
                           {"prepare": t1 - t0, "forward_backward": t2 - t1, "update": t3 - t2},
                           clip.ratio_le, clip.ratio_sum, clip.rows_present, uniq)
 
-    @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:
-        """Scores without changing any state (absent keys score with their initial rows)."""
-        dense, _ = self._inputs(batch)
-        keys = torch.from_numpy(batch_keys(batch, self.field_rows)).to(self.device)
-        uniq, inverse, _ = unique_keys(keys)
-        rows = self.store.peek(uniq)
-        model = self.eval_model
-        was_training = model.training
-        model.eval()
-        logits = self._forward(rows, inverse, batch, dense, model)
-        model.train(was_training)
-        return torch.sigmoid(logits).cpu().numpy()
+        """Scores without changing any state (absent keys score with their initial rows):
+        the evaluated model (`eval_model`) on the live rows."""
+        return probabilities(self.eval_model, self.store.peek, batch, self.cfg.model.embed_dim,
+                             self.field_rows, self.precision, self.device, n_inputs=self.n_fields)
 
     def state_tensors(self) -> dict:
         out = {"model": self.model.state_dict(), "dense_opt": self.dense_opt.state_dict(),

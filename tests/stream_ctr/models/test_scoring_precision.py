@@ -5,7 +5,7 @@ import torch
 
 from stream_ctr.config import ConfigError, validate
 from stream_ctr.train.loop import configure_torch
-from stream_ctr.train.precision import cpu_runs_bf16_fast, resolve_precision
+from stream_ctr.models.scoring import cpu_runs_bf16_fast, resolve_precision
 from stream_ctr.train.trainer import Trainer
 from tests.stream_ctr.store.helpers import criteo_batches, small_config
 

@@ -1,9 +1,9 @@
 """`stream-ctr export` and `stream-ctr predict`: the bundle commands. Each returns
 (JSON summary, one line) for the CLI to print, as the benches do.
 
-This module sits above train in the layers (tests/import_graph.py): it reads
-checkpoints with the trainer's loader and reports AUC with the trainer's metric
-code. The scoring itself is `scorer.Scorer`, which needs none of that.
+It lives in cli/, above train and distributed (tests/import_graph.py): it reads
+checkpoints, single-process or a distributed job's, with their loaders. The
+serving/ folder it drives (bundles, `Scorer`, the server) imports neither.
 """
 from __future__ import annotations
 
@@ -248,7 +248,7 @@ def cmd_export(args: argparse.Namespace) -> tuple[dict, str]:
 
 
 def _resolved_precision(cfg: Config) -> str:
-    from stream_ctr.train.precision import resolve_precision
+    from stream_ctr.models.scoring import resolve_precision
     from stream_ctr.train.trainer import resolve_device
     try:
         return resolve_precision(cfg.train.precision, resolve_device(cfg.train.device))
