@@ -1,8 +1,11 @@
 """`train` with several replicas: lockstep steps, sharded rows, k-step merges, job manifests.
 
-Launched by torchrun (one process per rank). Each rank reads its share of the
-data: a Kafka consumer group splits partitions; a file is striped by record
-offset (rank r trains the records with offset % world_size == r). Per step:
+Launched by torchrun (one process per rank). A `Job` holds the rank's `Run`
+(train/loop.py) and adds what a job needs around it, by composition: the same
+input (train/inputs.py) reads the rank's share of the data -- a Kafka consumer
+group splits partitions; a file is striped by record offset (rank r trains the
+records with offset % world_size == r) -- and the Job adds the sharded store, the
+merger and job checkpoints. `lockstep` is its loop. Per step:
 
     agree      one tiny all-reduce: does any rank have a batch, is any still
                reading, did any get SIGTERM? (steps are collectives, so all
@@ -30,9 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 
-from stream_ctr.connectors.batch import Batch, Rejected
-from stream_ctr.connectors.files import FileSource
-from stream_ctr.connectors.kafka.positions import filter_partitions
+from stream_ctr.connectors.batch import Batch
+from stream_ctr.connectors.kafka.options import is_kafka_url
 from stream_ctr.distributed import job_checkpoint as jobs
 from stream_ctr.config import Config, ConfigError
 from stream_ctr.distributed.context import (DistContext, DistributedError, agree, collective,
@@ -44,48 +46,10 @@ from stream_ctr.distributed.sharded_store import ShardedEmbeddingStore
 from stream_ctr.serving.export import checkpoint_record
 from stream_ctr.train.batches import StopSignal
 from stream_ctr.train.checkpoint import CheckpointError
+from stream_ctr.train.inputs import Idle, Revoked
 from stream_ctr.train.run_dir import RunDirOwner, claim_run_dir, point_latest
-from stream_ctr.train.loop import Run, RunSummary
+from stream_ctr.train.loop import JobParts, Run, RunSummary
 from stream_ctr.train.trainer import resolve_device
-
-
-def take_rows(batch: Batch, idx: np.ndarray) -> Batch:
-    return batch.take(idx)       # multi-hot (jagged) fields included
-
-
-class StripedSource:
-    """A file source as one rank of `world` sees it: the records with offset % world == rank.
-
-    Offsets keep their meaning, so the rank's resume position (after its last
-    trained record) reopens the file where its stripe continues.
-    """
-
-    def __init__(self, inner: FileSource, rank: int, world: int) -> None:
-        self.inner, self.rank, self.world = inner, rank, world
-
-    def read(self, max_records: int | None = None) -> tuple[Batch, list[Rejected]]:
-        return self._mine(*self.inner.read(max_records))
-
-    def decode_raw(self, raw) -> tuple[Batch, list[Rejected]]:
-        """The stripe's share of a chunk from `read_raw` (which reads the whole file's)."""
-        return self._mine(*self.inner.decode_raw(raw))
-
-    def _mine(self, batch: Batch, rejected: list[Rejected]) -> tuple[Batch, list[Rejected]]:
-        mine = batch.offset % self.world == self.rank
-        if not mine.all():
-            batch = take_rows(batch, np.flatnonzero(mine))
-        return batch, [r for r in rejected if r.offset % self.world == self.rank]
-
-    def __getattr__(self, name: str):
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __enter__(self) -> "StripedSource":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.inner.close()
 
 
 @dataclass
@@ -110,202 +74,105 @@ def rank_config(cfg: Config, ctx: DistContext) -> Config:
     return out
 
 
-class DistributedRun(Run):
-    """A `Run` that is one rank of a job: its share of the source, sharded store, merger,
-    job checkpoints."""
-
-    # Scoring the holdout is collective (sharded rows), and ranks end their passes at
-    # different steps: only the end of the run, which every rank reaches together, scores it.
-    EVALUATES_EACH_PASS = False
+class Job:
+    """One rank of a job: a `Run` (its share of the input, its trainer and window) with
+    what a job adds around it: a sharded store, k-step dense merges, lockstep steps
+    and job checkpoints that every rank writes together."""
 
     def __init__(self, cfg: Config, resume: str | None, ctx: DistContext) -> None:
         self.ctx = ctx
         root = Path(cfg.train.checkpoint_dir or Path(cfg.train.run_dir) / "checkpoints")
         job = jobs.open_job(resume, ctx.world_size) if resume else None
-        super().__init__(rank_config(cfg, ctx), jobs.rank_checkpoint(job, ctx.rank) if job else None)
-        if job is not None and self.stream is not None:
-            # A partition may have moved between ranks: whoever gets it now starts
-            # where the job last trained it (the largest position of any rank).
-            self.positions = jobs.merged_stream_positions(job)
+        # A partition may have moved between ranks: whoever gets it now starts where the
+        # job last trained it (the largest position of any rank).
+        merged = jobs.merged_stream_positions(job) if job is not None and is_kafka_url(cfg.data.source) else None
+        parts = JobParts(is_job=True, rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
+                         local_world_size=ctx.local_world_size, merged_positions=merged)
+        self.run = run = Run(rank_config(cfg, ctx), jobs.rank_checkpoint(job, ctx.rank) if job else None, parts)
+        self.cfg = run.cfg
         self.ckpt_root = root
         self.global_step = job.manifest["global_step"] if job else 0
         self.job_seq = _broadcast_int(jobs.last_seq(root) if ctx.is_main else 0)
         if cfg.data.limit_records:       # this rank's share of the records to train
             w, r = ctx.world_size, ctx.rank
-            self.remaining = cfg.data.limit_records // w + (r < cfg.data.limit_records % w)
-        self.store = ShardedEmbeddingStore(self.trainer.store, self.trainer.optim)
-        self.trainer.store = self.store
-        d = self.cfg.distributed
-        self.merger = DenseMerger(self.trainer.model, self.trainer.dense_opt, d.merge_every_k_steps,
-                                  d.merge_moments, d.hierarchical, ctx.local_world_size,
-                                  on_merge=getattr(self.monitor.metrics, "observe_merge", None),
-                                  timeout_s=ctx.timeout_s, average=self.trainer.average_model)
-        self.merger.broadcast_from(0)
-        if self.merger.node_group is not None:      # hierarchical: synchronous inside a node
-            self.trainer.reduce_dense_grads = self.merger.reduce_gradients
-            if self.trainer.optim.init_bias_from_data:
-                # Each rank's first batch has its own click rate, and a node's replicas
-                # only ever average gradients, so different starting biases would never
-                # meet. (k-step replicas are averaged at every merge: they keep it.)
-                self.trainer.optim = dataclasses.replace(self.trainer.optim, init_bias_from_data=False)
-                if ctx.is_main:
-                    print("stream-ctr: optim.init_bias_from_data is off in hierarchical mode "
-                          "(a node's replicas must start from the same output bias)", file=sys.stderr)
-        self.summary = DistributedSummary(dead_letter_path=self.summary.dead_letter_path,
-                                          world_size=ctx.world_size)
+            run.remaining = cfg.data.limit_records // w + (r < cfg.data.limit_records % w)
+        self.store = ShardedEmbeddingStore(run.trainer.store, run.trainer.optim)
+        run.trainer.store = self.store
+        self.merger = self._merger()
+        run.summary = DistributedSummary(dead_letter_path=run.summary.dead_letter_path, world_size=ctx.world_size)
         self.checkpoint_wanted = False    # a Kafka rebalance asks for a job checkpoint
-        self._feed = None
-        self._ready: list[Batch] = []      # stream batches cut but not yet trained
-        self.in_hand: Batch | None = None   # the batch of the step the ranks are agreeing on
+        self._events = None               # the input's events of the current pass
+        self._done = False
         # --publish: when this rank read its newest trained batch (wall s) and its newest
         # event time (ms, -1: none), since the last job checkpoint.
         self._read_at_s = 0.0
         self._newest: tuple[float | None, int] = (None, -1)
         if job is not None:        # a resumed job publishes the model it resumed from first
             self.publish_job(job.path)
-        self._done = False
+
+    def _merger(self) -> DenseMerger:
+        run, d, ctx = self.run, self.cfg.distributed, self.ctx
+        merger = DenseMerger(run.trainer.model, run.trainer.dense_opt, d.merge_every_k_steps,
+                             d.merge_moments, d.hierarchical, ctx.local_world_size,
+                             on_merge=getattr(run.monitor.metrics, "observe_merge", None),
+                             timeout_s=ctx.timeout_s, average=run.trainer.average_model)
+        merger.broadcast_from(0)
+        if merger.node_group is not None:      # hierarchical: synchronous inside a node
+            run.trainer.reduce_dense_grads = merger.reduce_gradients
+            if run.trainer.optim.init_bias_from_data:
+                # Each rank's first batch has its own click rate, and a node's replicas
+                # only ever average gradients, so different starting biases would never
+                # meet. (k-step replicas are averaged at every merge: they keep it.)
+                run.trainer.optim = dataclasses.replace(run.trainer.optim, init_bias_from_data=False)
+                if ctx.is_main:
+                    print("stream-ctr: optim.init_bias_from_data is off in hierarchical mode "
+                          "(a node's replicas must start from the same output bias)", file=sys.stderr)
+        return merger
 
     # -- this rank's share of the data -------------------------------------------------
 
-    def open_source(self):
-        if self.stream is not None and self.source is None:
-            from stream_ctr.connectors.kafka.source import KafkaSource
-            from stream_ctr.train.streaming import declared_schema
-            self.source = KafkaSource(self.stream, positions=self.positions, on_revoke=self._on_revoke,
-                                      chunk_records=self.cfg.data.chunk_records, wait_for_peers=True,
-                                      schema=declared_schema(self.cfg))
-        return super().open_source()
-
-    @property
-    def processes_per_host(self) -> int:       # ranks of a node share its cores
-        return self.ctx.local_world_size
-
-    @property
-    def first_on_host(self) -> bool:
-        return self.ctx.local_rank == 0
-
-    def file_share(self, source: FileSource):
-        return StripedSource(source, self.ctx.rank, self.ctx.world_size) if self.ctx.world_size > 1 else source
-
-    def _on_revoke(self, partitions: list[str], lost: bool) -> None:
-        """Rebalance (inside this rank's poll): drop the revoked partitions' untrained
-        rows. A checkpoint is a collective, so it cannot run here: the job writes one
-        at the next step all ranks agree on. The source then commits the revoked
-        partitions' trained offsets for their next owner; should the job crash before
-        its checkpoint, a resume starts every partition from the last job manifest
-        (`merged_stream_positions`), so nothing trained after it is lost or repeated.
-
-        Every untrained row of those partitions goes: the batcher's, the cut batches'
-        and the batch in hand's (this runs while the ranks agree on its step).  If
-        the partitions come straight back to this rank, they continue at the trained
-        position and those rows are read again."""
-        gone = set(partitions)
-        self.batcher.discard(partitions)
-        self._ready = [b for b in (filter_partitions(b, gone) for b in self._ready) if len(b)]
-        if self.in_hand is not None:
-            self.in_hand = filter_partitions(self.in_hand, gone)
-        self.positions = self.source.trained_positions
-        self.checkpoint_wanted = self.checkpoint_wanted or not lost
-
     def next_batch(self, stop: StopSignal) -> Batch | None:
-        """This rank's next batch (across epochs), or None when it has none now."""
-        batch = self._read_batch(stop)
-        if batch is not None:
-            self._read_at_s = time.time()     # its freshness stamp, should it train
-        return batch
-
-    def _read_batch(self, stop: StopSignal) -> Batch | None:
-        if self.stream is not None:
-            return self._next_stream_batch()
+        """This rank's next batch (across passes), or None when it has none now: the
+        input's events, taken without blocking for a full batch (the other ranks wait
+        for this one in the next collective, and a group rebalance needs every rank to
+        keep polling)."""
+        run = self.run
         while not self._done:
-            if self._feed is None:
-                if not self.wants_more:
+            if self._events is None:
+                if not run.wants_more:
                     self._done = True
                     break
-                self._opened = self.open_source()
-                self._source = self._opened.__enter__()
-                self._feed = iter(self.batches(self._source, stop))
-            batch = next(self._feed, None)
-            if batch is not None:
-                batch = self.owned(batch)         # a rebalance while it was read?
+                self._events = run.events(stop, look_ahead=False)
+            event = next(self._events, None)
+            if event is None:                   # the pass's batches ran out
+                self._events = None
+                run.end_pass(completed=True)
+            elif isinstance(event, Revoked):    # its rows are gone; the job checkpoints at the next step
+                self.checkpoint_wanted = self.checkpoint_wanted or not event.lost
+            elif isinstance(event, Idle):
+                return None
+            else:
+                batch = run.input.owned(event.batch)
                 if len(batch):
+                    self._read_at_s = event.read_at_s     # its freshness stamp, should it train
                     return batch
-                continue
-            self._opened.__exit__(None, None, None)
-            self.end_epoch(self._source, completed=True)     # its batches ran out
-            self._feed = None
-        return None
-
-    def _next_stream_batch(self) -> Batch | None:
-        """One read of the stream and a batch if one is ready; never waits for more.
-
-        Unlike the single-process loop, a rank must not block until its batch
-        is full: the others wait for it in the next collective, and a consumer
-        group rebalance needs every rank to keep polling.
-        """
-        if self._done:
-            return None
-        if self.source is None:
-            self.open_source()               # joins the consumer group
-        source = self.source
-        while self._ready and not self.limit_reached:
-            batch = self.owned(self._ready.pop(0))       # a rebalance since it was cut?
-            if len(batch):
-                return self._within_limit(batch)
-        if self.limit_reached or source.exhausted:     # idle for kafka.stop_when_idle_s
-            self.end_epoch(source, completed=True)
-            self._done = True
-            rest = self.batcher.flush()      # the tail trains (at the limit it is dropped)
-            return self._within_limit(rest) if rest is not None and not self.limit_reached else None
-        t0 = time.perf_counter()
-        chunk, rejected = source.read()
-        self.monitor.on_read(chunk, rejected, time.perf_counter() - t0)
-        self.dead_letter.write(rejected)
-        self._ready.extend(self.batcher.add(chunk))
-        if not self._ready and self.batcher.pending_rows \
-                and self.batcher.oldest_wait_s() >= self.cfg.data.max_batch_delay_s:
-            self._ready.append(self.batcher.flush())     # latency budget spent
-        while self._ready:
-            batch = self.owned(self._ready.pop(0))
-            if len(batch):
-                return self._within_limit(batch)
         return None
 
     def keep_polling(self) -> None:
-        """While this rank waits for the others: keep its consumer polling (a group
-        rebalance needs every member to poll); what it reads waits in `_ready`, up to
-        `kafka.max_buffered_records` rows."""
-        if self.source is None or self._done:
+        """While this rank waits for the others (see `KafkaInput.poll_while_waiting`)."""
+        if self._done:
             time.sleep(0.001)
             return
-        if sum(map(len, self._ready)) + self.batcher.pending_rows >= self.source.options.max_buffered_records:
-            time.sleep(0.01)
-            return
-        t0 = time.perf_counter()
-        chunk, rejected = self.source.read()
-        self.monitor.on_read(chunk, rejected, time.perf_counter() - t0)
-        self.dead_letter.write(rejected)
-        self._ready.extend(self.batcher.add(chunk))
-
-    @property
-    def positions_wanted(self) -> bool:
-        """This rank's consumer holds new partitions until the ranks exchange positions."""
-        return self.stream is not None and self.source is not None and self.source.peers_wanted
+        self.run.input.poll_while_waiting(self.run.monitor, self.run.dead_letter)
 
     def exchange_positions(self) -> None:
         """A collective: every rank's hand-over positions (partitions it gave up in this
         run) go to every rank, whose newly assigned partitions then start no earlier
-        than where any rank left them (see connectors/kafka/source.py, "Ranks of a
-        distributed job")."""
-        mine = self.source.handover_positions() if self.source is not None else {}
+        than where any rank left them."""
         everyone: list = [None] * self.ctx.world_size
         with collective("exchanging Kafka positions"):
-            dist.all_gather_object(everyone, mine)
-        if self.source is not None:
-            self.source.give_peer_positions(everyone)
-
-    def _within_limit(self, batch: Batch) -> Batch:
-        return batch.slice(0, self.remaining) if 0 <= self.remaining < len(batch) else batch
+            dist.all_gather_object(everyone, self.run.input.handover_positions())
+        self.run.input.give_peer_positions(everyone)
 
     @property
     def reading(self) -> bool:
@@ -315,22 +182,23 @@ class DistributedRun(Run):
 
     def step(self, batch: Batch | None) -> None:
         """One lockstep step: train `batch`, or serve the others' rows when None."""
+        run = self.run
         self._count_job_steps()
         trained = 0
         if batch is None:
             # Hierarchical: the node's dense step all the same, where a training rank
             # reduces its gradients (after the sparse prepare, before the update).
-            self.store.idle_step(between=self.trainer.idle_dense_step)
+            self.store.idle_step(between=run.trainer.idle_dense_step)
         else:
-            result = self.trainer.train_step(batch)
+            result = run.trainer.train_step(batch)
             self.store.settle()           # a skipped (non-finite) step still answers the owners
-            self.record_and_report(batch, result)
+            run.record_and_report(batch, result)
             trained = 0 if bool(result.skipped) else len(batch)   # its dense state did not move
             if trained:
                 self._newest = (max(self._newest[0] or 0.0, self._read_at_s),
                                 max(self._newest[1], int(batch.event_time_ms.max())))
         self.global_step += 1
-        self.trainer.step = self.global_step     # what the rank checkpoints: the same everywhere
+        run.trainer.step = self.global_step     # what the rank checkpoints: the same everywhere
         self.merger.after_step(trained)
 
     def _count_job_steps(self) -> None:
@@ -340,13 +208,13 @@ class DistributedRun(Run):
         merged. A rank that sat idle (a quiet partition, a late assignment) would
         otherwise run behind, and an owner would update a row with whichever step
         count its senders had."""
-        self.trainer.step = self.global_step
+        self.run.trainer.step = self.global_step
         if self.merger.merge_moments:
-            for st in self.trainer.dense_opt.state.values():
+            for st in self.run.trainer.dense_opt.state.values():
                 if "step" in st:
                     st["step"].fill_(float(self.global_step))
 
-    def checkpoint(self, commit: bool = True) -> None:
+    def checkpoint(self) -> None:
         """Merge, write this rank's checkpoint, then (rank 0) the job manifest naming all;
         then (Kafka) commit this rank's offsets to the group.
 
@@ -354,13 +222,14 @@ class DistributedRun(Run):
         rank's files and the manifest are durable. A crash before the manifest
         leaves the previous job manifest in force.
         """
+        run = self.run
         self.merger.flush()
         self.job_seq += 1
         job_dir = jobs.job_dir(self.ckpt_root, self.job_seq)
-        self.ckpt_dir = job_dir / jobs.rank_dir_name(self.ctx.rank)
-        super().checkpoint(commit=False)
-        entry = jobs.rank_entry(Path(self.summary.checkpoint), job_dir, self.ctx.rank, self.positions,
-                                self.total_before + self.summary.records_trained, self.trainer.step)
+        run.ckpt_dir = job_dir / jobs.rank_dir_name(self.ctx.rank)
+        run.checkpoint(commit=False)
+        entry = jobs.rank_entry(Path(run.summary.checkpoint), job_dir, self.ctx.rank, run.input.snapshot(),
+                                run.total_before + run.summary.records_trained, run.trainer.step)
         entries: list = [None] * self.ctx.world_size
         with collective("gathering the ranks' checkpoints"):
             dist.all_gather_object(entries, entry)
@@ -369,46 +238,43 @@ class DistributedRun(Run):
                                 self.cfg.train.keep_checkpoints)
         with collective("waiting for the job manifest"):
             dist.barrier()
-        self.summary.checkpoint = str(job_dir)
+        run.summary.checkpoint = str(job_dir)
         self.checkpoint_wanted = False
-        if commit and self.stream is not None and self.source is not None:   # None: not joined yet
-            self.source.commit(self.positions)
+        run.input.commit()
         if self.cfg.serving.publish:        # every rank's freshness stamps, to rank 0's publisher
             stamps: list = [None] * self.ctx.world_size
             with collective("gathering the ranks' freshness stamps"):
                 dist.all_gather_object(stamps, self._newest)
             self._newest = (None, -1)
-            if self.publisher is not None:
+            if run.publisher is not None:
                 for arrived_s, event_ms in stamps:
-                    self.publisher.note_newest(arrived_s, event_ms)
+                    run.publisher.note_newest(arrived_s, event_ms)
         self.publish_job(job_dir)
 
     # -- publishing (--publish; rank 0 holds the publisher) ---------------------------
-
-    def publish(self, tensors: dict, where: Path, state) -> None:
-        """Not per rank: a rank's checkpoint holds its shard of the rows only. The job
-        publishes once its manifest is durable (`publish_job`)."""
 
     def publish_job(self, job_dir: Path) -> None:
         """Rank 0: publish the job checkpoint at `job_dir` as one full snapshot (its shards
         as one table, the dense model every rank holds after the merge). Blocks rank 0
         while it writes; the other ranks wait at their next collective."""
-        if self.publisher is None:
+        publisher = self.run.publisher
+        if publisher is None:
             return
         state = jobs.load_job_as_one(job_dir)
-        self.publisher.publish(state.tensors, checkpoint_record(job_dir, state.step, state.records_trained,
-                                                                state.extra.get("epoch", 0), state.positions),
-                               self.trainer.precision, None)
+        publisher.publish(state.tensors, checkpoint_record(job_dir, state.step, state.records_trained,
+                                                           state.extra.get("epoch", 0), state.positions),
+                          self.run.trainer.precision, None)
 
     def publish_due(self) -> bool:
         """Whether serving.publish_every_s has passed on rank 0 (a job checkpoint is due)."""
-        return self.publisher is not None and self.publisher.due()
+        return self.run.publisher is not None and self.run.publisher.due()
 
     def finish(self, seconds: float) -> RunSummary:
-        s = super().finish(seconds)          # the holdout evaluation is collective: all ranks run it
-        window = self.window.state_dict()
+        run = self.run
+        s = run.finish(seconds)          # the holdout evaluation is collective: all ranks run it
+        window = run.window.state_dict()
         mine = {"s": dataclasses.asdict(s), "probs": window["probs"], "labels": window["labels"],
-                "touched": self.rows_touched, "clipped": self.rows_clipped, "floor": self.rows_at_floor,
+                "touched": run.rows_touched, "clipped": run.rows_clipped, "floor": run.rows_at_floor,
                 "exchange": self.store.stats.sent_bytes}
         everyone: list = [None] * self.ctx.world_size
         with collective("gathering the run summaries"):
@@ -416,7 +282,7 @@ class DistributedRun(Run):
         return _combine(s, everyone, self)
 
 
-def _combine(s: DistributedSummary, everyone: list[dict], run: DistributedRun) -> DistributedSummary:
+def _combine(s: DistributedSummary, everyone: list[dict], run: Job) -> DistributedSummary:
     out = dataclasses.replace(s)
     per = [e["s"] for e in everyone]
     for name in ("records_trained", "records_trained_total", "records_rejected", "batches",
@@ -484,36 +350,10 @@ def train_distributed(cfg: Config, resume: str | None = None,
     owner = None
     try:
         cfg.train.run_dir, owner = agree_run_dir(cfg, resume, ctx)
-        run = DistributedRun(cfg, resume, ctx)
+        job = Job(cfg, resume, ctx)
         if ctx.is_main:
             point_latest(Path(cfg.train.run_dir))
-        label = f"train ({ctx.world_size} ranks, rank 0 shown)"
-        progress = Progress(label, cfg.train.log_every_s, enabled=show_progress and ctx.is_main)
-        every = cfg.train.checkpoint_every_batches
-        with StopSignal() as stop, run:
-            while True:
-                run.in_hand = None if stop.requested else run.next_batch(stop)
-                # Agree: steps are collectives, so either every rank steps or none.
-                anyone_has, anyone_reading, anyone_stops, rebalanced, handover = agree(
-                    [run.in_hand is not None, run.reading, stop.requested,
-                     run.checkpoint_wanted or run.publish_due(), run.positions_wanted],
-                    while_waiting=run.keep_polling if run.stream is not None else None)
-                batch, run.in_hand = run.in_hand, None    # a rebalance meanwhile has filtered it
-                if handover:              # a rank got partitions: where did the others leave them?
-                    run.exchange_positions()
-                if anyone_stops or not (anyone_has or anyone_reading):
-                    break                 # (stop) a batch read but not trained is re-read on resume
-                if anyone_has:
-                    if batch is not None:
-                        batch = run.owned(batch)     # a rebalance while we waited?
-                    run.step(batch if batch is not None and len(batch) else None)
-                    acc = run.window.latest()
-                    progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss)
-                if rebalanced or (anyone_has and every and run.global_step % every == 0):
-                    run.checkpoint()
-            progress.close()
-            run.checkpoint()
-        return run.finish(progress.elapsed_s())
+        return lockstep(job, show_progress)
     except DistributedError:
         failed = True
         raise
@@ -522,6 +362,39 @@ def train_distributed(cfg: Config, resume: str | None = None,
             owner.release()
         if not failed:
             shutdown()
+
+
+def lockstep(job: Job, show_progress: bool) -> DistributedSummary:
+    """The job's loop: each step, the ranks agree whether anyone has a batch, is still
+    reading, was asked to stop or wants a checkpoint; then all step (a rank without a
+    batch takes an idle step) and checkpoint together."""
+    run, ctx = job.run, job.ctx
+    label = f"train ({ctx.world_size} ranks, rank 0 shown)"
+    progress = Progress(label, run.cfg.train.log_every_s, enabled=show_progress and ctx.is_main)
+    every = run.cfg.train.checkpoint_every_batches
+    polling = job.keep_polling if run.input.keeps_polling else None
+    with StopSignal() as stop, run:
+        while True:
+            batch = None if stop.requested else job.next_batch(stop)
+            # Agree: steps are collectives, so either every rank steps or none.
+            anyone_has, anyone_reading, anyone_stops, rebalanced, handover = agree(
+                [batch is not None, job.reading, stop.requested,
+                 job.checkpoint_wanted or job.publish_due(), run.input.peers_wanted], while_waiting=polling)
+            if handover:              # a rank got partitions: where did the others leave them?
+                job.exchange_positions()
+            if anyone_stops or not (anyone_has or anyone_reading):
+                break                 # (stop) a batch read but not trained is re-read on resume
+            if anyone_has:
+                if batch is not None:
+                    batch = run.input.owned(batch)     # a rebalance while we waited?
+                job.step(batch if batch is not None and len(batch) else None)
+                acc = run.window.latest()
+                progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss)
+            if rebalanced or (anyone_has and every and job.global_step % every == 0):
+                job.checkpoint()
+        progress.close()
+        job.checkpoint()
+    return job.finish(progress.elapsed_s())
 
 
 def launch_local(nproc: int, argv: list[str]) -> int:

@@ -4,8 +4,8 @@
 lines in step); `dead_letter_or_stop` is a stream's dead-letter write that a
 stop can end; `LookAhead` holds the next batch so a tiered store can prefetch
 its rows; `StopSignal` turns SIGTERM / Ctrl-C into a request to finish the
-batch, checkpoint and exit. Kafka sources have their own batcher
-(`stream_ctr.train.streaming`).
+batch, checkpoint and exit. Kafka sources have their own batchers
+(`streaming`, `offset_batches`); `inputs` puts either kind behind one protocol.
 """
 from __future__ import annotations
 
@@ -73,31 +73,21 @@ def micro_batches(source: FileSource, batch_size: int, dead_letter: DeadLetterFi
 
 
 class LookAhead:
-    """(batch, the one after it or None) pairs from `batches`; with `enabled`, one batch
-    is read ahead (a tiered store prefetches its rows while the current one trains).
+    """The batch read ahead of the one training, so a tiered store can prefetch its rows.
 
-    The batch held ahead is read but not trained, so a rebalance during the read
-    after it must drop its rows of the revoked partitions (`discard`, called by the
-    revoke hook) -- even if the same partitions come straight back to this member:
+    That batch is read but not trained, so a rebalance during the read after it
+    must drop its rows of the revoked partitions (`discard`, from the source's
+    listener) -- even if the same partitions come straight back to this member:
     they then continue at their trained position, and those rows are read again.
     """
 
-    def __init__(self, batches: Iterator[Batch], enabled: bool) -> None:
-        self._batches, self._enabled = batches, enabled
+    def __init__(self) -> None:
         self._held: Batch | None = None
 
-    def __iter__(self) -> Iterator[tuple[Batch, Batch | None]]:
-        if not self._enabled:
-            for batch in self._batches:
-                yield batch, None
-            return
-        self._held = next(self._batches, None)
-        for upcoming in self._batches:          # a read: the revoke hook may discard from _held
-            current, self._held = self._held, upcoming
-            yield current, upcoming
-        if self._held is not None:
-            current, self._held = self._held, None
-            yield current, None
+    def swap(self, batch: Batch | None) -> Batch | None:
+        """Hold `batch` (None at the end); return the batch held until now."""
+        held, self._held = self._held, batch
+        return held
 
     def discard(self, partitions: list[str]) -> None:
         if self._held is not None:

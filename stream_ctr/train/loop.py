@@ -11,15 +11,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import torch
 
-from stream_ctr.connectors.batch import Batch
-from stream_ctr.connectors.files import (DamagedFile, EmptySource, FileSource, SourceError, count_readable,
-                                         detect_format)
-from stream_ctr.connectors.read_ahead import ReadAhead, decode_threads
+from stream_ctr.connectors.batch import Batch, Positions
+from stream_ctr.connectors.files import EmptySource, SourceError, count_readable, detect_format
 from stream_ctr.train.heap import keep_heap
 from stream_ctr.models.scoring import no_records_error, score_file
 from stream_ctr.train.checkpoint import CheckpointState, holds_checkpoint, load_checkpoint, save_checkpoint
@@ -31,17 +28,13 @@ from stream_ctr.train.evaluation import Accuracy, PrequentialWindow, accuracy
 from stream_ctr.train.run_dir import claim_run_dir, link_checkpoint_dir, point_latest, run_dir_of
 from stream_ctr.telemetry.monitor import RunMonitor
 from stream_ctr.telemetry.progress import Progress
-from stream_ctr.train.batches import LookAhead, StopSignal, micro_batches
+from stream_ctr.train.batches import StopSignal
 from stream_ctr.connectors.kafka.client import StreamGone
-from stream_ctr.connectors.kafka.options import KafkaUrl
-from stream_ctr.train.streaming import (declared_schema, new_stream_batcher, open_dead_letter, source_format,
-                                  stream_batches, stream_url)
+from stream_ctr.train.inputs import FileInput, KafkaInput, Ready, held_out_start
+from stream_ctr.train.streaming import open_dead_letter, source_format, stream_url
 from stream_ctr.store import resume_store_config
 from stream_ctr.threads import ThreadChoice, choose_threads
 from stream_ctr.train.trainer import Trainer, resolve_device
-
-if TYPE_CHECKING:     # kafka-python is imported only by runs that read a topic
-    from stream_ctr.connectors.kafka.source import KafkaSource
 
 
 @dataclass
@@ -106,33 +99,6 @@ def configure_torch(cfg: Config, processes_per_host: int = 1) -> ThreadChoice:
     return threads
 
 
-def revoke_hook(run: "Run"):
-    """The KafkaSource's `on_revoke`: runs while the trainer is between steps.
-
-    Rows of the revoked partitions that were read but not trained are dropped
-    (the partitions' next owner reads them; if that is this member again, it
-    continues at the trained position and reads them again); then, unless the
-    membership was lost (no commit is possible then), the model is checkpointed
-    so that what was trained from those partitions is durable before the source
-    commits their offsets for the next owner.  The checkpoint keeps the revoked
-    partitions' positions, marked given up (see `PositionBook.released`).
-    """
-    def on_revoke(partitions: list[str], lost: bool) -> None:
-        run.batcher.discard(partitions)
-        if run.lookahead is not None:
-            run.lookahead.discard(partitions)
-        run.positions = run.source.trained_positions
-        if not lost:
-            run.checkpoint(commit=False)        # the source commits once this returns
-    return on_revoke
-
-
-def open_kafka_source(run: "Run", url: KafkaUrl) -> "KafkaSource":
-    from stream_ctr.connectors.kafka.source import KafkaSource
-    return KafkaSource(url, positions=run.positions, on_revoke=revoke_hook(run),
-                       chunk_records=run.cfg.data.chunk_records, schema=declared_schema(run.cfg))
-
-
 def resume_data_config(cfg: Config, saved: Config) -> None:
     """What a resumed run reads: the checkpoint's source and holdout unless the command
     names others. A resume that names none goes on with the same file and keeps its
@@ -163,14 +129,18 @@ def refuse_changed_model(cfg: Config, saved: Config, resume: str) -> None:
 
 
 class Run:
-    """What one `train` invocation holds: trainer, source plan, window, counters."""
+    """What one `train` invocation holds: trainer, input, window, counters.
 
-    # Score the holdout after every pass but the last (summary.test_per_epoch).
-    EVALUATES_EACH_PASS = True
+    The input (`inputs.FileInput` or `inputs.KafkaInput`) owns the source: its
+    batching, positions and offsets. A distributed job builds the same Run with
+    its own `Job` parts (distributed/run.py): a rank's stripe of a file or its
+    share of the group, a sharded store, merges, job checkpoints."""
 
-    def __init__(self, cfg: Config, resume: str | None) -> None:
+    def __init__(self, cfg: Config, resume: str | None, job: "JobParts | None" = None) -> None:
+        self.job = job or JobParts()
         # A run or checkpoint root whose newest checkpoint is corrupt goes on from the newest valid one.
         state = load_checkpoint(resume, fall_back=True) if resume else None
+        saved = None
         if state is not None:   # the model and optimizer settings are the checkpoint's
             saved = checkpoint_config(state.config, origin=f"{resume} (checkpoint config)")
             refuse_changed_model(cfg, saved, resume)
@@ -178,129 +148,97 @@ class Run:
             cfg.store = resume_store_config(cfg.store, saved.store)   # where its rows live
             resume_data_config(cfg, saved)
         validate(cfg)
-        self.threads = configure_torch(cfg, self.processes_per_host)
+        self.threads = configure_torch(cfg, self.job.processes_per_host)
         self.cfg = cfg
-        self.stream = stream_url(cfg)         # a kafka:// source, else None (a file)
-        self.stream_ended = False
-        # A file that cannot be read to its end: its readable lines are trained and held
-        # out as if they were the file; the pass stops at the damage (at_damage), unfinished.
-        self.damage: DamagedFile | None = None
-        self.at_damage = False
-        if self.stream is not None:           # one long epoch: nothing to count or hold out
-            self.fmt, self.path, self.n_total, self.train_end = source_format(cfg), None, 0, 0
-        else:
-            self.fmt, self.path = detect_format(cfg.data.source, cfg.data.schema)
-            # Hold out the last fraction of the file, by data-line offset.
-            self.n_total, self.damage = count_readable(self.path, self.fmt)
-            self.train_end = held_out_start(self.n_total, cfg.data.holdout_fraction)
+        self.summary = RunSummary()
+        # Records in the model before this invocation (a deterministic batcher's journal counts from it).
+        self.total_before = state.records_trained if state is not None else 0
+        self.input = self.open_input(cfg)
+        self.fmt = self.input.fmt
         if state is not None:
-            saved_fmt = source_format(saved)
-            if features(saved_fmt) != features(self.fmt):
-                raise ConfigError(f"--resume {resume}: the checkpoint's model was trained on "
-                                  f"{describe_features(saved_fmt)}, {cfg.data.source} decodes to "
-                                  f"{describe_features(self.fmt)}: their features do not match; resume "
-                                  "with the run's schema (omit --schema: the checkpoint holds it) or "
-                                  "train into a new --run-dir")
-            done = state.positions.get(f"file:{self.path.name}", 0) if self.path else 0
-            if done > self.train_end:
-                raise ConfigError(
-                    f"--resume {resume}: the run already trained {self.path.name} up to line "
-                    f"{done:,}, past where data.holdout_fraction = {cfg.data.holdout_fraction:g} "
-                    f"starts the held-out lines ({self.train_end:,}); resume with the run's "
-                    f"holdout ({saved.data.holdout_fraction:g}) or train into a new --run-dir")
+            refuse_other_features(resume, saved, cfg, self.fmt)
+            self.input.restore(self.job.resume_positions(state.positions), resume, saved)
         self.trainer = Trainer.for_format(cfg, self.fmt)
         self.window = PrequentialWindow(cfg.train.eval_window_records, cfg.train.eval_refresh_s)
-        self.positions: dict[str, int] = {}
-        self.epoch, self.total_before = 0, 0
+        self.epoch = 0
         if state is not None:
-            self.trainer.load_state_tensors(state.tensors["trainer"])
-            self.window.load_state_dict({k: (v.numpy() if torch.is_tensor(v) else v)
-                                         for k, v in state.tensors["window"].items()})
-            self.positions, self.epoch = state.positions, state.extra.get("epoch", 0)
-            self.total_before = state.records_trained
-            was = state.extra.get("precision")
-            if was and was != self.trainer.precision:   # train.precision=auto on other hardware
-                print(f"stream-ctr: note: the checkpoint trained with {was} matmuls, this run uses "
-                      f"{self.trainer.precision} (train.precision={cfg.train.precision}); set "
-                      f"train.precision={was} to keep it", file=sys.stderr)
+            self.restore(state)
         run_dir = Path(cfg.train.run_dir)
         self.ckpt_dir = Path(cfg.train.checkpoint_dir or run_dir / "checkpoints")
         link_checkpoint_dir(run_dir, cfg.train.checkpoint_dir)
         # A file, or the dead-letter topic; once per record across restarts (the checkpoint's mark).
-        self.dead_letter = open_dead_letter(cfg, self.stream, state.extra if state is not None else None)
-        # A stream's batcher lives in the run: a rebalance drops its rows of revoked partitions.
-        self.summary = RunSummary(dead_letter_path=str(self.dead_letter.path))
-        self.batcher = (new_stream_batcher(cfg, self.stream, lambda: self.total_before + self.summary.records_trained)
-                        if self.stream is not None else None)
-        self.lookahead: LookAhead | None = None      # ... and so does the batch read ahead
+        self.dead_letter = open_dead_letter(cfg, stream_url(cfg), state.extra if state is not None else None)
+        self.summary.dead_letter_path = str(self.dead_letter.path)
         self.remaining = cfg.data.limit_records or -1      # -1: no limit
         self.rows_touched = self.rows_clipped = self.rows_at_floor = 0
-        self.source: FileSource | None = None
         # Prometheus metrics (served if metrics.port) and RUN_DIR/timeseries.jsonl.
         self.monitor = RunMonitor(cfg, run_dir, self.total_before)
-        self.monitor.watch(self.trainer.store, self.window, lag=self.source_lag,
-                           source=lambda: self.source)
+        self.monitor.watch(self.trainer.store, self.window, lag=lambda: self.input.lag(self.epoch),
+                           source=lambda: self.input.source)
         if state is not None:       # the checkpoint's age counts from when it was written
-            manifest = state.path / "manifest.json"
-            self.monitor.metrics.resumed_from_checkpoint(manifest.stat().st_mtime)
+            self.monitor.metrics.resumed_from_checkpoint((state.path / "manifest.json").stat().st_mtime)
         if self.epoch:
             self.monitor.metrics.observe_epoch(self.epoch, another_pass=self.epoch < cfg.data.epochs)
         # --publish: a resumed run publishes the model it resumed from before it trains
         # (stream_ctr/serving/publisher.py says why no rolled-back version is ever served).
-        self.publisher = open_publisher(cfg, self.fmt)
-        if self.publisher is not None and state is not None:
+        self.publisher = open_publisher(cfg, self.fmt) if self.job.rank == 0 else None
+        if self.publisher is not None and state is not None and not self.job.is_job:
             self.publish(state.tensors, state.path, state)
         # Once nothing refuses the run: a refusal stays the one line it prints.
-        if self.threads.warning and self.first_on_host:
+        if self.threads.warning and self.job.first_on_host:
             print(self.threads.warning, file=sys.stderr, flush=True)
 
-    def source_lag(self) -> dict[str, int]:
-        """Consumer lag of the file source: records of the training range not yet trained."""
-        src = self.source
-        if src is None:
-            return {}
-        if self.stream is not None:          # Kafka: counted per partition by the source
-            return src.lag()
-        if self.epoch >= self.cfg.data.epochs:        # every epoch trained: nothing left
-            return {src.partition: 0}
-        return {src.partition: max(self.train_end - self.positions.get(src.partition, 0), 0)}
+    def open_input(self, cfg: Config) -> FileInput | KafkaInput:
+        """The run's source behind the one protocol (inputs.py): a file, or a topic whose
+        rebalances checkpoint (`before_commit`) unless the job checkpoints them itself."""
+        url = stream_url(cfg)
+        if url is None:
+            return FileInput(cfg, self.job.processes_per_host, self.job.stripe)
+        # A job's checkpoint is a collective: it cannot run inside a rebalance listener.
+        before_commit = None if self.job.is_job else self.checkpoint_before_commit
+        return KafkaInput(cfg, url, lambda: self.total_before + self.summary.records_trained, before_commit,
+                          wait_for_peers=self.job.is_job)
+
+    def restore(self, state: CheckpointState) -> None:
+        """The trainer, window and counters of a checkpoint."""
+        self.trainer.load_state_tensors(state.tensors["trainer"])
+        self.window.load_state_dict({k: (v.numpy() if torch.is_tensor(v) else v)
+                                     for k, v in state.tensors["window"].items()})
+        self.epoch = state.extra.get("epoch", 0)
+        was = state.extra.get("precision")
+        if was and was != self.trainer.precision:   # train.precision=auto on other hardware
+            print(f"stream-ctr: note: the checkpoint trained with {was} matmuls, this run uses "
+                  f"{self.trainer.precision} (train.precision={self.cfg.train.precision}); set "
+                  f"train.precision={was} to keep it", file=sys.stderr)
 
     @property
     def limit_reached(self) -> bool:
         return self.remaining == 0
 
-    def open_source(self):
-        if self.stream is not None:          # opened once, closed when the run exits: one long epoch
-            if self.source is None:
-                self.source = open_kafka_source(self, self.stream)
-            return contextlib.nullcontext(self.source)
-        start = self.positions.get(f"file:{self.path.name}", 0)
-        source = self.file_share(FileSource(self.path, self.fmt, start_offset=start,
-                                            chunk_records=self.cfg.data.chunk_records,
-                                            stop_offset=self.train_end))
-        if self.cfg.data.read_ahead_chunks:
-            source = ReadAhead(source, self.cfg.data.read_ahead_chunks,
-                               decode_threads(self.cfg.data.decode_threads, self.processes_per_host))
-        self.source = source
-        return source
+    @property
+    def wants_more(self) -> bool:
+        return not self.limit_reached and self.input.wants_more(self.epoch)
 
-    # Processes of this job on one host, sharing its cores (a distributed run's ranks),
-    # and whether this one speaks for them (a note about the host is printed once).
-    processes_per_host = 1
-    first_on_host = True
+    @property
+    def empty(self) -> bool:
+        """The source file holds no records (an empty file, an empty gzip, a header alone)."""
+        return self.input.empty
 
-    def file_share(self, source: FileSource):
-        """The records of the file this process trains: all of them (a rank of a
-        distributed job takes its stripe). Read ahead, if configured, after this."""
-        return source
+    def events(self, stop: StopSignal, look_ahead: bool):
+        """The input's events for one pass (inputs.py); a Kafka topic deleted under them
+        (StreamGone) ends the run, but only after a checkpoint of what was trained."""
+        try:
+            yield from self.input.events(self.remaining, stop, self.dead_letter, self.monitor, look_ahead)
+        except StreamGone as gone:
+            if not self.job.is_job:             # (a job's checkpoint is a collective)
+                self.checkpoint(commit=False)   # no group commit: the topic is gone
+                gone.checkpointed_at(self.summary.checkpoint)
+            raise
 
     def record(self, batch: Batch, result) -> None:
         """Prequential scores into the window; the batch's end becomes the resume point."""
         self.window.add(result.probs.cpu().numpy(), batch.labels)
-        if self.stream is not None:          # packed messages may straddle batches: the source folds
-            self.positions = self.source.trained(batch)
-        else:
-            self.positions.update(batch.positions_after())
+        self.input.trained(batch)
         self.summary.records_trained += len(batch)
         self.summary.batches += 1
         self.summary.skipped_batches += int(result.skipped)
@@ -321,29 +259,26 @@ class Run:
         self.monitor.on_batch(batch, result, acc, interval)
         return acc
 
-    def end_epoch(self, source: FileSource, completed: bool) -> None:
-        """After a pass over the source. `completed`: its batches ran out (every one was
-        trained), as opposed to a stop signal ending the pass -- never read off the
-        source, which says exhausted once closed, or once its last rows are read ahead."""
-        # The epoch is over only when every record of it was trained, not
-        # merely read: a limit may have stopped the loop with rows pending.
-        if self.stream is not None:          # a stream ends (idle), it never starts over
-            self.stream_ended = source.exhausted
-        elif completed and not self.limit_reached and self.damage is not None:
-            self.at_damage = True           # not the file's end: a resume with the repaired file goes on
-        elif completed and not self.limit_reached:
-            self.epoch, self.positions = self.epoch + 1, {}
-            self.dead_letter.epoch = self.epoch         # the next pass dead-letters its bad lines again
-            self.monitor.metrics.observe_epoch(self.epoch, another_pass=self.epoch < self.cfg.data.epochs)
-            if (self.EVALUATES_EACH_PASS and self.cfg.data.epochs > 1 and self.epoch < self.cfg.data.epochs
-                    and self.train_end < self.n_total):
-                self.summary.test_per_epoch.append({"epoch": self.epoch, **self.held_out()})
+    def end_pass(self, completed: bool) -> None:
+        """After a pass over the input. `completed`: its batches ran out (every one was
+        trained), as opposed to a stop signal ending the pass. Only a file's finished
+        pass starts another (its held-out tail scored in between, with --epochs)."""
+        if not self.input.end_pass(completed, self.limit_reached):
+            return
+        self.epoch += 1
+        self.dead_letter.epoch = self.epoch         # the next pass dead-letters its bad lines again
+        self.monitor.metrics.observe_epoch(self.epoch, another_pass=self.epoch < self.cfg.data.epochs)
+        # In a job, scoring the holdout is collective and ranks end their passes at different
+        # steps: only the end of the run, which every rank reaches together, scores it.
+        if (not self.job.is_job and self.cfg.data.epochs > 1 and self.epoch < self.cfg.data.epochs
+                and self.input.held_out is not None):
+            self.summary.test_per_epoch.append({"epoch": self.epoch, **self.held_out()})
 
     def held_out(self) -> dict[str, float]:
         """Accuracy of the current model on the held-out tail (no training)."""
-        probs, labels = score(self.trainer, self.path, self.fmt, self.train_end, self.n_total,
-                              self.cfg.data.chunk_records)
-        return {**accuracy(probs, labels).as_dict(), **bayes_of_split(self.path, labels, self.train_end)}
+        path, start, stop = self.input.held_out
+        probs, labels = score(self.trainer, path, self.fmt, start, stop, self.cfg.data.chunk_records)
+        return {**accuracy(probs, labels).as_dict(), **bayes_of_split(path, labels, start)}
 
     def window_label(self) -> str:
         """What the sliding window holds: after the first pass, rows scored a second time."""
@@ -352,60 +287,34 @@ class Run:
             return "prequential window"
         return f"window of re-read rows, pass {min(self.epoch + 1, n)} of {n}: not held out"
 
-    @property
-    def wants_more(self) -> bool:
-        if self.stream is not None:
-            return not self.limit_reached and not self.stream_ended
-        return (self.epoch < self.cfg.data.epochs and not self.limit_reached and not self.at_damage
-                and not self.empty)
-
-    @property
-    def empty(self) -> bool:
-        """The source file holds no records (an empty file, an empty gzip, a header alone)."""
-        return self.path is not None and self.n_total == 0 and self.damage is None
-
-    def damaged(self, summary: RunSummary) -> DamagedFile:
-        """The error that ends a run whose pass stopped at the damage of its file, after
-        its checkpoint: what was trained, and how a resume goes on."""
-        d, held = self.damage, self.n_total - self.train_end
-        done = (f"were read: the first {self.train_end:,} trained, the last {held:,} held out and scored"
-                if held else "were trained")
-        then = (f"re-copy it, then `stream-ctr train --resume {self.cfg.train.run_dir}` goes on from line "
-                f"{self.positions.get(f'file:{self.path.name}', 0):,} (checkpoint {summary.checkpoint})")
-        err = DamagedFile(d.path, d.lines, d.cause, d.cut_bytes, done, then)
-        err.summary = summary
-        return err
-
-    def batches(self, source, stop: "StopSignal") -> Iterator[Batch]:
-        if self.stream is not None:
-            return stream_batches(source, self.batcher, self.dead_letter, self.remaining,
-                                  self.cfg.data.max_batch_delay_s, stop, self.monitor)
-        return micro_batches(source, self.cfg.data.batch_size, self.dead_letter, self.remaining,
-                             self.monitor)
-
-    def owned(self, batch: Batch) -> Batch:
-        """`batch` without rows of partitions a rebalance took away after it was read."""
-        return self.source.owned_rows(batch) if self.stream is not None else batch
+    def checkpoint_before_commit(self) -> None:
+        """Inside a rebalance: what was trained from the revoked partitions becomes durable
+        before the input commits their offsets for the next owner (its positions mark them
+        given up, see connectors/kafka/positions.py)."""
+        self.checkpoint(commit=False)
 
     def checkpoint(self, commit: bool = True) -> None:
-        """Write a durable checkpoint; then (Kafka) commit its positions as the group's offsets."""
+        """Write a durable checkpoint (this rank's, in a job); then commit its positions
+        (Kafka: the group's offsets). A job's `Job.checkpoint` wraps this in its agreement."""
         t0 = time.perf_counter()
+        positions = self.input.snapshot()
         # First: the dead letters up to here on disk (or acknowledged), and where the sink ends.
-        dead_letter = self.dead_letter.mark(self.positions, self.epoch).as_dict()
+        dead_letter = self.dead_letter.mark(positions, self.epoch).as_dict()
         tensors = {"trainer": self.trainer.state_tensors(),
                    "window": {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v)
                               for k, v in self.window.state_dict().items()}}
         state = CheckpointState(self.trainer.step, self.total_before + self.summary.records_trained,
-                                self.positions, self.cfg.to_dict(), tensors,
+                                positions, self.cfg.to_dict(), tensors,
                                 {"epoch": self.epoch, "source": self.cfg.data.source,
                                  # what the scaling rule made of cfg.optim for this batch size
                                  "resolved_optim": dataclasses.asdict(self.trainer.optim),
                                  "precision": self.trainer.precision, "dead_letter": dead_letter})
         self.summary.checkpoint = str(save_checkpoint(self.ckpt_dir, state, self.cfg.train.keep_checkpoints))
         self.monitor.on_checkpoint(time.perf_counter() - t0, self.summary.checkpoint)
-        if commit and self.stream is not None:
-            self.source.commit(self.positions)
-        if self.publisher is not None:      # only now: the checkpoint is durable
+        if commit:
+            self.input.commit()
+        # Only now: it is durable. (A job publishes once its manifest names every rank's.)
+        if self.publisher is not None and not self.job.is_job:
             self.publish(tensors, Path(self.summary.checkpoint), state)
 
     def publish(self, tensors: dict, where: Path, state: CheckpointState) -> None:
@@ -418,11 +327,9 @@ class Run:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.stream is not None and self.source is not None:
-            self.summary.source_stats = self.source.stats.as_dict()
-            self.source.close()            # leaves the group; commits happen after checkpoints only
-        elif self.source is not None:      # a pass a stop cut short: its file and read-ahead thread
-            self.source.close()
+        # A stream leaves its group (commits happen after checkpoints only); a pass a stop
+        # cut short closes its file and read-ahead thread.
+        self.summary.source_stats = self.input.close()
 
     def refuse_if_nothing_decoded(self) -> None:
         """Raise SourceError, before the final checkpoint, when this invocation trained
@@ -456,7 +363,7 @@ class Run:
         s.rejected_by_reason = dict(self.dead_letter.counts)
         s.records_rejected = sum(self.dead_letter.counts.values())
         self.dead_letter.close()
-        if self.train_end < self.n_total:
+        if self.input.held_out is not None:
             s.test = self.held_out()
             if s.test_per_epoch:
                 s.test_per_epoch.append({"epoch": self.epoch, **s.test})
@@ -465,6 +372,45 @@ class Run:
             self.publisher.close()
         self.trainer.store.close()          # a tiered store waits for its I/O and closes LMDB
         return s
+
+
+@dataclass
+class JobParts:
+    """What a run is part of: by default a single process. A distributed job's rank
+    (distributed/run.py) is one of `world_size` processes, `local_world_size` of them
+    on this host, and its job checkpoints, publishes and scores the holdout as one."""
+    is_job: bool = False
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    merged_positions: Positions | None = None   # a job's positions over all ranks (a resume)
+
+    @property
+    def processes_per_host(self) -> int:        # they share the host's cores
+        return self.local_world_size
+
+    @property
+    def first_on_host(self) -> bool:            # the one that prints a note about the host
+        return self.local_rank == 0
+
+    @property
+    def stripe(self) -> tuple[int, int]:        # a file's records with offset % ranks == rank
+        return self.rank, self.world_size
+
+    def resume_positions(self, own: Positions) -> Positions:
+        return own if self.merged_positions is None else self.merged_positions
+
+
+def refuse_other_features(resume: str, saved: Config, cfg: Config, fmt) -> None:
+    """A resume whose source decodes to other features than the checkpoint's model takes."""
+    saved_fmt = source_format(saved)
+    if features(saved_fmt) != features(fmt):
+        raise ConfigError(f"--resume {resume}: the checkpoint's model was trained on "
+                          f"{describe_features(saved_fmt)}, {cfg.data.source} decodes to "
+                          f"{describe_features(fmt)}: their features do not match; resume "
+                          "with the run's schema (omit --schema: the checkpoint holds it) or "
+                          "train into a new --run-dir")
 
 
 def train(cfg: Config, resume: str | None = None, show_progress: bool = True) -> RunSummary:
@@ -498,36 +444,24 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
 def _train(cfg: Config, resume: str | None, show_progress: bool) -> RunSummary:
     """`train` in a run directory this process owns (cfg.train.run_dir)."""
     run = Run(cfg, resume)
-    if run.empty:
-        print(f"stream-ctr: warning: {run.path} holds no records (an empty file, an empty gzip or a "
-              "header alone): nothing to train", file=sys.stderr, flush=True)
-    point_latest(Path(cfg.train.run_dir))
-    run.summary.optim = dataclasses.asdict(run.trainer.optim)
-    if show_progress:
-        print(describe_optim(run.trainer.optim), file=sys.stderr, flush=True)
-        t = run.trainer
-        print(f"model: {cfg.model.name} on {t.device}, {t.precision} matmuls "
-              f"(train.precision={cfg.train.precision})", file=sys.stderr, flush=True)
+    start_note(run, show_progress)
     progress = Progress("train", cfg.train.log_every_s, enabled=show_progress)
     every = cfg.train.checkpoint_every_batches
     with StopSignal() as stop, run:
         while run.wants_more and not stop.requested:
-            with run.open_source() as source:
-                batches = keep_trained_if_gone(run, run.batches(source, stop))
-                if run.publisher is not None:   # when each batch was read: what freshness counts from
-                    batches = run.publisher.stamp(batches)
-                # A tiered store prefetches the next batch's rows while this one trains.
-                run.lookahead = LookAhead(batches, cfg.store.kind == "tiered")
-                completed = False
-                for batch, upcoming in run.lookahead:
-                    arrived_s = run.publisher.arrival() if run.publisher is not None else 0.0
-                    batch = run.owned(batch)    # a rebalance during the look-ahead read?
+            completed = False
+            # A tiered store prefetches the next batch's rows while this one trains.
+            with contextlib.closing(run.events(stop, look_ahead=cfg.store.kind == "tiered")) as events:
+                for event in events:
+                    if not isinstance(event, Ready):    # Revoked: already checkpointed; Idle: read on
+                        continue
+                    batch = run.input.owned(event.batch)    # a rebalance since it was read?
                     if not len(batch):
                         continue
                     # Step: its forward pass scores the batch before the update (prequential).
-                    result = run.trainer.train_step(batch, upcoming)
+                    result = run.trainer.train_step(batch, event.upcoming)
                     if run.publisher is not None:   # its rows go in the next published delta
-                        run.publisher.trained(batch, result.keys, arrived_s)
+                        run.publisher.trained(batch, result.keys, event.read_at_s)
                     # Evaluate and advance the resume point past this batch.
                     acc = run.record_and_report(batch, result)
                     progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss,
@@ -539,7 +473,7 @@ def _train(cfg: Config, resume: str | None, show_progress: bool) -> RunSummary:
                         break
                 else:
                     completed = True
-            run.end_epoch(source, completed)
+            run.end_pass(completed)
         acc = run.window.window()
         progress.update(run.summary.records_trained, run.summary.batches, acc.auc, acc.logloss, force=True,
                         window=run.window_label())
@@ -548,21 +482,26 @@ def _train(cfg: Config, resume: str | None, show_progress: bool) -> RunSummary:
         run.checkpoint()
         run.summary.stopped = stop.requested
     summary = run.finish(progress.elapsed_s())
-    summary.empty_source = str(run.path) if run.empty else ""
-    if run.at_damage:                   # after the checkpoint: nothing trained is lost
-        raise run.damaged(summary)
+    summary.empty_source = str(run.input.path) if run.empty else ""
+    if run.input.at_damage:             # after the checkpoint: nothing trained is lost
+        err = run.input.damaged(summary.checkpoint)
+        err.summary = summary
+        raise err
     return summary
 
 
-def keep_trained_if_gone(run: Run, batches: Iterator[Batch]) -> Iterator[Batch]:
-    """`batches`; a Kafka topic deleted under them (StreamGone) ends the run, but only
-    after a checkpoint of what was trained (no group commit: the topic is gone)."""
-    try:
-        yield from batches
-    except StreamGone as gone:
-        run.checkpoint(commit=False)
-        gone.checkpointed_at(run.summary.checkpoint)
-        raise
+def start_note(run: Run, show_progress: bool) -> None:
+    """What a run says before its first batch: an empty file, the optimizer, the model."""
+    if run.empty:
+        print(f"stream-ctr: warning: {run.input.path} holds no records (an empty file, an empty gzip or "
+              "a header alone): nothing to train", file=sys.stderr, flush=True)
+    point_latest(Path(run.cfg.train.run_dir))
+    run.summary.optim = dataclasses.asdict(run.trainer.optim)
+    if show_progress:
+        t = run.trainer
+        print(describe_optim(t.optim), file=sys.stderr, flush=True)
+        print(f"model: {run.cfg.model.name} on {t.device}, {t.precision} matmuls "
+              f"(train.precision={run.cfg.train.precision})", file=sys.stderr, flush=True)
 
 
 def rejection_note(counts: dict[str, int], top: int = 3) -> str:
@@ -611,11 +550,6 @@ def score(trainer: Trainer, path: Path, fmt, start_offset: int, stop_offset: int
     if not len(probs):
         raise no_records_error(path, start_offset, rejected)
     return probs, labels
-
-
-def held_out_start(n_total: int, holdout_fraction: float) -> int:
-    """The data-line offset where a file's held-out tail starts."""
-    return n_total - int(round(n_total * holdout_fraction))
 
 
 def _same_file(source: str, path: Path, schema: str = "") -> bool:

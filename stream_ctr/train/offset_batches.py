@@ -49,6 +49,7 @@ import numpy as np
 
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.train.batches import dead_letter_or_stop
+from stream_ctr.train.events import IDLE, Idle
 
 if TYPE_CHECKING:
     from stream_ctr.connectors.kafka.source import KafkaSource
@@ -295,10 +296,11 @@ def plan_order(names) -> list[str]:
 
 def offset_ordered_batches(source: "KafkaSource", batcher: OffsetOrderBatcher, dead_letter,
                            limit_records: int, max_delay_s: float, stop: "StopSignal",
-                           monitor=None) -> Iterator[Batch]:
-    """`stream_batches` for `kafka.deterministic_batches`: the plan's batches, a recorded
-    cut when the latency budget is spent or the stream is idle; at most
-    `limit_records` rows when it is >= 0.  Ends like `stream_batches`."""
+                           monitor=None) -> Iterator[Batch | Idle]:
+    """The batches of a stream under `kafka.deterministic_batches`: the plan's batches, a
+    recorded cut when the latency budget is spent or the stream is idle; at most
+    `limit_records` rows when it is >= 0; IDLE after a read that brought nothing. Ends
+    like the fetch-order batches (`inputs.KafkaInput`): idle, the limit, or a stop."""
     batcher.set_partitions(plan_order(source.partition_names))
     emitted = 0
     while not stop.requested:
@@ -330,3 +332,5 @@ def offset_ordered_batches(source: "KafkaSource", batcher: OffsetOrderBatcher, d
         if not dead_letter_or_stop(dead_letter, rejected, stop):
             return
         batcher.add(chunk)
+        if not len(chunk):
+            yield IDLE                          # a caller that must not block takes a turn

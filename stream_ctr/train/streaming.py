@@ -3,15 +3,12 @@
 - `StreamBatcher`: the micro-batcher with a latency budget (a partial batch
   trains once its oldest row has waited `data.max_batch_delay_s`) that can
   drop the pending rows of partitions a rebalance took away;
-- `stream_batches`: the micro-batch iterator of a stream: it ends on a stop
-  signal (pending rows stay untrained and are read again after a restart:
-  no checkpoint covers them), on `--stop-when-idle`, or at the record limit;
-  with `kafka.deterministic_batches` it hands over to
-  `offset_batches.offset_ordered_batches` (batches a function of offsets);
-- `new_stream_batcher`: the batcher a run's flags ask for;
-- `open_kafka_source` / `open_dead_letter`: the source and the dead-letter
-  sink of a run, wired to its checkpoints (see `revoke_hook`; the sink's mark
-  in each checkpoint keeps dead letters exactly once across restarts).
+- `new_stream_batcher`: the batcher a run's flags ask for (fetch order, or
+  `offset_batches.OffsetOrderBatcher`: batches a function of offsets);
+- `open_dead_letter`: the run's dead-letter sink (the sink's mark in each
+  checkpoint keeps dead letters exactly once across restarts).
+
+`inputs.KafkaInput` cuts the stream's batches with them.
 
 A Kafka run is one long epoch: it never "finishes" a topic, its positions are
 never reset, and a resumed run continues the stream.
@@ -20,7 +17,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable
 
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.dead_letter import DeadLetterFile, DeadLetterMark, ExactlyOnceDeadLetter, start_mark
@@ -30,13 +27,8 @@ from stream_ctr.connectors.schema import Schema, parse_schema
 from stream_ctr.connectors.kafka.options import KafkaUrl, is_kafka_url, parse_kafka_url
 from stream_ctr.connectors.kafka.positions import filter_partitions
 from stream_ctr.train.batcher import MicroBatcher
-from stream_ctr.train.batches import dead_letter_or_stop
-from stream_ctr.train.offset_batches import JOURNAL_NAME, CutJournal, OffsetOrderBatcher, offset_ordered_batches
+from stream_ctr.train.offset_batches import JOURNAL_NAME, CutJournal, OffsetOrderBatcher
 from stream_ctr.config import Config, ConfigError
-
-if TYPE_CHECKING:
-    from stream_ctr.connectors.kafka.source import KafkaSource
-    from stream_ctr.train.batches import StopSignal
 
 
 class StreamBatcher(MicroBatcher):
@@ -89,46 +81,6 @@ def new_stream_batcher(cfg: Config, url: KafkaUrl, trained_records: Callable[[],
         return StreamBatcher(cfg.data.batch_size)
     journal = CutJournal(Path(cfg.train.run_dir) / JOURNAL_NAME, trained_records())
     return OffsetOrderBatcher(cfg.data.batch_size, journal, trained_records)
-
-
-def stream_batches(source: "KafkaSource", batcher: StreamBatcher | OffsetOrderBatcher, dead_letter,
-                   limit_records: int, max_delay_s: float, stop: "StopSignal",
-                   monitor=None) -> Iterator[Batch]:
-    """Micro-batches of a stream; at most `limit_records` rows when it is >= 0.
-    Each read is reported to `monitor` (as `micro_batches` does)."""
-    if isinstance(batcher, OffsetOrderBatcher):
-        yield from offset_ordered_batches(source, batcher, dead_letter, limit_records, max_delay_s,
-                                          stop, monitor)
-        return
-    emitted = 0
-    while not source.exhausted and not stop.requested:
-        t0 = time.perf_counter()
-        # Just what the next batch needs: the source is polled once per batch
-        # (heartbeats, rebalances) and keeps the rest of a fetch buffered.
-        chunk, rejected = source.read(max(1, batcher.batch_size - batcher.pending_rows))
-        if monitor is not None:
-            monitor.on_read(chunk, rejected, time.perf_counter() - t0)
-        if not dead_letter_or_stop(dead_letter, rejected, stop):
-            return
-        ready = batcher.add(chunk)
-        pending = batcher.pending_rows
-        if pending and (
-                # every row up to the limit is here: the last batch of the run is partial
-                0 <= limit_records <= emitted + len(ready) * batcher.batch_size + pending
-                # the latency budget is spent: train what is there
-                or (not ready and batcher.oldest_wait_s() >= max_delay_s)):
-            ready.append(batcher.flush())
-        for batch in ready:
-            if 0 <= limit_records <= emitted + len(batch):
-                yield batch.slice(0, limit_records - emitted)
-                return
-            emitted += len(batch)
-            yield batch
-    if stop.requested:
-        return
-    rest = batcher.flush()                      # the stream went idle: train the tail
-    if rest is not None:
-        yield rest.slice(0, limit_records - emitted) if limit_records >= 0 else rest
 
 
 def stream_url(cfg: Config) -> KafkaUrl | None:

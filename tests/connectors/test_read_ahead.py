@@ -95,7 +95,7 @@ def test_close_mid_file_stops_the_decoding_threads():
 
 
 def test_a_ranks_stripe_decoded_on_several_threads_is_its_stripe():
-    from stream_ctr.distributed.run import StripedSource
+    from stream_ctr.train.inputs import StripedSource
     fmt, path = detect_format("criteo:sample")
     with StripedSource(FileSource(path, fmt, chunk_records=900), 1, 3) as plain:
         expected = chunks(plain)

@@ -38,15 +38,16 @@ def kafka_rank(rank: int, world: int, cfg: dict, resume: str | None = None,
     the consumer group only after rank 0 trained 4 batches (then writes that file),
     so rank 0 first trains every partition and then hands some over."""
     from pathlib import Path
-    from stream_ctr.distributed.run import DistributedRun, train_distributed
+    from stream_ctr.distributed.run import Job, train_distributed
     from stream_ctr.distributed.context import DistributedError
+    from stream_ctr.train.loop import Run
     trained: list[str] = []
-    record, step, next_batch = DistributedRun.record, DistributedRun.step, DistributedRun._next_stream_batch
+    record, step, next_batch = Run.record, Job.step, Job.next_batch
 
-    def joining_late(self):
+    def joining_late(self, stop):
         if rank == 1 and join_late and not Path(join_late).exists():
             return None
-        return next_batch(self)
+        return next_batch(self, stop)
 
     def recording(self, batch, result):
         names = np.asarray(batch.partitions)[batch.partition]
@@ -60,8 +61,8 @@ def kafka_rank(rank: int, world: int, cfg: dict, resume: str | None = None,
         if crash is not None and (self.ctx.rank, self.global_step) == crash:
             os._exit(17)
 
-    DistributedRun.record, DistributedRun.step = recording, crashing
-    DistributedRun._next_stream_batch = joining_late
+    Run.record, Job.step = recording, crashing
+    Job.next_batch = joining_late
     try:
         s = train_distributed(Config.from_dict(cfg), resume=resume, show_progress=False)
     except DistributedError as e:

@@ -5,7 +5,7 @@ import torch
 
 from stream_ctr.connectors.files import FileSource, detect_format
 from stream_ctr.config import Config, ConfigError, load_config, validate
-from stream_ctr.distributed.run import StripedSource
+from stream_ctr.train.inputs import StripedSource
 from stream_ctr.distributed.job_checkpoint import find_job
 from stream_ctr.store.key_index import _slot_hash
 from stream_ctr.distributed.sharded_store import owner_of

@@ -41,10 +41,11 @@ def job_config(run_dir, batch_size: int = 128, **data) -> dict:
 def train_rank(rank: int, world: int, cfg: dict, resume: str | None = None,
                crash: tuple[int, int] | None = None) -> dict:
     """One rank of a job; records the offsets it trained. `crash` = (rank, step) exits hard."""
-    from stream_ctr.distributed.run import DistributedRun, train_distributed
+    from stream_ctr.distributed.run import Job, train_distributed
     from stream_ctr.distributed.context import DistributedError
+    from stream_ctr.train.loop import Run
     trained: list[np.ndarray] = []
-    record, step = DistributedRun.record, DistributedRun.step
+    record, step = Run.record, Job.step
 
     def recording(self, batch, result):
         trained.append(batch.offset.copy())
@@ -55,7 +56,7 @@ def train_rank(rank: int, world: int, cfg: dict, resume: str | None = None,
         if crash is not None and (self.ctx.rank, self.global_step) == crash:
             os._exit(17)                  # no cleanup, no checkpoint: a dead process
 
-    DistributedRun.record, DistributedRun.step = recording, crashing
+    Run.record, Job.step = recording, crashing
     offsets = lambda: np.concatenate(trained).tolist() if trained else []   # noqa: E731
     try:
         s = train_distributed(Config.from_dict(cfg), resume=resume, show_progress=False)

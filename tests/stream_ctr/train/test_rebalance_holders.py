@@ -6,15 +6,15 @@ revocation revokes every partition on every rebalance): the partition then conti
 its trained position, so they are read again.  The end-to-end version (two trainers,
 tiered store) is in test_kafka_faults.py.
 """
-from types import SimpleNamespace
-
 import numpy as np
 
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.kafka.positions import GIVEN_UP, ROWS_DONE, PositionBook, given_up_positions
-from stream_ctr.distributed.run import DistributedRun
-from stream_ctr.train.streaming import StreamBatcher
+from stream_ctr.config import Config
+from stream_ctr.connectors.kafka.options import parse_kafka_url
 from stream_ctr.train.batches import LookAhead
+from stream_ctr.train.events import IDLE, Ready, Revoked
+from stream_ctr.train.inputs import KafkaInput, ready_events
 
 
 def rows(partition_offsets: list[tuple[int, int]], names=("t/0", "t/1")) -> Batch:
@@ -33,41 +33,56 @@ def test_look_ahead_batch_loses_revoked_rows_when_the_read_after_it_rebalances()
     b1 = rows([(0, 0), (1, 0), (0, 1)])
     b2 = rows([(1, 1), (0, 2)])
     b3 = rows([(1, 2)])
-    holder: list[LookAhead] = []
+    lookahead = LookAhead()
 
     def batches():
         yield b1
         yield b2                          # read while b1 is held
-        holder[0].discard(["t/0"])        # the read of b3 rebalances: t/0 revoked
+        lookahead.discard(["t/0"])        # the read of b3 rebalances: t/0 revoked
         yield b3
 
-    lookahead = LookAhead(batches(), enabled=True)
-    holder.append(lookahead)
-    got = [(pairs(current), pairs(upcoming) if upcoming is not None else None)
-           for current, upcoming in lookahead]
+    got = [(pairs(e.batch), pairs(e.upcoming) if e.upcoming is not None else None)
+           for e in ready_events(batches(), lookahead)]
     assert got[0][0] == pairs(b1)                         # trained before the rebalance
     assert got[1][0] == [("t/1", 1)]                      # b2 was held ahead: t/0 rows gone
     assert got[2] == (pairs(b3), None)
 
 
-def test_look_ahead_disabled_holds_nothing():
+def test_without_look_ahead_every_batch_is_handed_out_as_read():
     b1 = rows([(0, 0)])
-    lookahead = LookAhead(iter([b1]), enabled=False)
-    lookahead.discard(["t/0"])
-    assert [pairs(c) for c, _ in lookahead] == [[("t/0", 0)]]
+    events = list(ready_events(iter([b1, IDLE]), None))
+    assert [pairs(e.batch) for e in events if isinstance(e, Ready)] == [[("t/0", 0)]]
+    assert events[1] is IDLE and events[0].upcoming is None
 
 
-def test_rank_revoke_hook_filters_batcher_cut_batches_and_batch_in_hand():
-    batcher = StreamBatcher(batch_size=100)
-    batcher.add(rows([(0, 10), (1, 10)]))
-    run = SimpleNamespace(batcher=batcher, _ready=[rows([(0, 5), (1, 5)]), rows([(0, 6)])],
-                          in_hand=rows([(0, 4), (1, 4)]), checkpoint_wanted=False,
-                          source=SimpleNamespace(trained_positions={"t/0": 4, "t/1": 4}))
-    DistributedRun._on_revoke(run, ["t/0"], lost=False)
-    assert [pairs(b) for b in run._ready] == [[("t/1", 5)]]
-    assert pairs(run.in_hand) == [("t/1", 4)]
-    assert pairs(batcher.flush()) == [("t/1", 10)]
-    assert run.checkpoint_wanted
+def kafka_input(before_commit=None) -> KafkaInput:
+    cfg = Config()
+    cfg.data.source, cfg.data.batch_size = "kafka://127.0.0.1:9/t", 100     # never connected here
+    return KafkaInput(cfg, parse_kafka_url(cfg.data.source, cfg.kafka), lambda: 0, before_commit)
+
+
+def test_revoke_drops_pending_cut_and_handed_out_rows_then_tells_the_loop():
+    durable = []
+    source = kafka_input(before_commit=lambda: durable.append(True))
+    source.batcher.add(rows([(0, 10), (1, 10)]))
+    source._ready = [rows([(0, 5), (1, 5)]), rows([(0, 6)])]
+    in_hand = rows([(0, 4), (1, 4)])       # handed out, not yet trained (a rank agreeing on its step)
+    source._on_revoke(["t/0"], lost=False)
+    assert [pairs(b) for b in source._ready] == [[("t/1", 5)]]
+    assert pairs(source.owned(in_hand)) == [("t/1", 4)]
+    assert pairs(source.batcher.flush()) == [("t/1", 10)]
+    assert durable == [True]                # made durable before the source commits
+    assert list(source._with_revocations(iter([]))) == [Revoked(("t/0",), False)]
+
+
+def test_a_lost_membership_or_a_job_does_not_checkpoint_inside_the_listener():
+    durable = []
+    source = kafka_input(before_commit=lambda: durable.append(True))
+    source._on_revoke(["t/1"], lost=True)   # nothing can be committed: no checkpoint for it
+    job = kafka_input(before_commit=None)   # a job checkpoints at its next agreed step
+    job._on_revoke(["t/1"], lost=False)
+    assert durable == []
+    assert list(job._with_revocations(iter([]))) == [Revoked(("t/1",), False)]
 
 
 def test_checkpoint_positions_keep_given_up_partitions_marked():

@@ -18,9 +18,10 @@ from stream_ctr.connectors.files import SAMPLE_PATHS
 from stream_ctr.connectors.kafka.local_broker import LocalBroker
 from stream_ctr.connectors.kafka.options import parse_kafka_url
 from stream_ctr.connectors.kafka.sink import DeadLetterUnsent, KafkaDeadLetter
-from stream_ctr.connectors.kafka.source import KafkaSource
+from stream_ctr.config import Config
 from stream_ctr.train.batches import StopSignal
-from stream_ctr.train.streaming import StreamBatcher, stream_batches
+from stream_ctr.train.events import Ready
+from stream_ctr.train.inputs import KafkaInput
 from tests.kafka_broker import kafka_test_options
 
 
@@ -53,10 +54,16 @@ def test_the_batch_of_unsent_dead_letters_is_not_trained(kafka, dead_letter_with
     lines = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:300]
     topic = kafka.topic()
     kafka.produce(topic, lines[:100] + [b"not\ta\tcriteo\tline"] + lines[100:300])
-    url = parse_kafka_url(kafka.url(topic, "stop"), kafka_test_options(stop_when_idle_s=60))
-    with KafkaSource(url) as source:
-        batches = list(stream_batches(source, StreamBatcher(256), dead_letter_with_its_broker_gone,
-                                      -1, 1e9, stop_after(3.0)))
+    cfg = Config()
+    cfg.data.source, cfg.data.batch_size, cfg.data.max_batch_delay_s = kafka.url(topic, "stop"), 256, 1e9
+    url = parse_kafka_url(cfg.data.source, kafka_test_options(stop_when_idle_s=60))
+    source = KafkaInput(cfg, url, trained_records=lambda: 0, before_commit=None)
+    try:
+        events = list(source.events(-1, stop_after(3.0), dead_letter_with_its_broker_gone, None,
+                                    look_ahead=False))
+    finally:
+        source.close()
+    batches = [e.batch for e in events if isinstance(e, Ready)]
     # 300 good rows would make a batch of 256; the rows read with the bad record are
     # dropped with it, so nothing past the record that was never dead-lettered trains.
     assert batches == []

@@ -1,0 +1,429 @@
+"""Where a run's batches come from: one protocol, a file or a Kafka topic behind it.
+
+The training loop (loop.py, and a distributed job's, distributed/run.py) sees
+only this contract, never the kind of source:
+
+- `events(...)` yields what happens at the source, on the loop's own thread:
+  `Ready(batch, upcoming, read_at_s)` when a batch is ready to train,
+  `Revoked(partitions, lost)` after a rebalance took partitions away (their
+  untrained rows are already dropped), `Idle` after a read that left no batch
+  ready (only a caller that must not block, a distributed rank, needs it). The
+  iterator ends at the end of a pass (a file), when the stream goes idle for
+  `kafka.stop_when_idle_s`, at the record limit, or on a stop signal.
+- `trained(batch)` after a batch trained; `snapshot()` the positions after
+  everything trained: what a checkpoint stores and what `restore` (a resume)
+  takes back. A position is the offset of the next record to train: a file's
+  data line (`file:NAME`), a partition's offset (`topic/p`; see
+  connectors/kafka/positions.py for packed messages and given-up partitions).
+- `commit()` after a durable checkpoint (Kafka: the group's offsets; a file has
+  none); `owned(batch)` drops rows a rebalance took after the batch was handed
+  out; `end_pass(completed)` after the iterator ends.
+
+Rebalances: kafka-python calls its listener inside a poll, on the loop's thread,
+and the revoked partitions' offsets must be committed before that call returns
+(the next owner starts there). So the model trained from them must be durable
+first: a `KafkaInput` calls its `before_commit` (the single-process run's
+checkpoint) from the listener, and a distributed job, whose checkpoint is a
+collective, passes none and checkpoints at the next step all ranks agree on,
+when the `Revoked` event reaches it (its job manifest, not the group offsets, is
+what a resume trusts).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import numpy as np
+
+from stream_ctr.config import Config, ConfigError
+from stream_ctr.connectors.batch import Batch, Positions, Rejected
+from stream_ctr.connectors.files import DamagedFile, FileSource, count_readable, detect_format
+from stream_ctr.connectors.kafka.options import KafkaUrl
+from stream_ctr.connectors.kafka.positions import filter_partitions
+from stream_ctr.connectors.read_ahead import ReadAhead, decode_threads
+from stream_ctr.train.batches import LookAhead, dead_letter_or_stop, micro_batches
+from stream_ctr.train.events import IDLE, Event, Idle, Ready, Revoked
+from stream_ctr.train.offset_batches import OffsetOrderBatcher, offset_ordered_batches
+from stream_ctr.train.streaming import StreamBatcher, declared_schema, new_stream_batcher
+
+if TYPE_CHECKING:     # kafka-python is imported only by runs that read a topic
+    from stream_ctr.connectors.kafka.source import KafkaSource
+    from stream_ctr.telemetry.monitor import RunMonitor
+    from stream_ctr.train.batches import StopSignal
+
+
+def held_out_start(n_total: int, holdout_fraction: float) -> int:
+    """The data-line offset where a file's held-out tail starts."""
+    return n_total - int(round(n_total * holdout_fraction))
+
+
+class StripedSource:
+    """A file source as one rank of `world` sees it: the records with offset % world == rank.
+
+    Offsets keep their meaning, so the rank's resume position (after its last
+    trained record) reopens the file where its stripe continues.
+    """
+
+    def __init__(self, inner: FileSource, rank: int, world: int) -> None:
+        self.inner, self.rank, self.world = inner, rank, world
+
+    def read(self, max_records: int | None = None) -> tuple[Batch, list[Rejected]]:
+        return self._mine(*self.inner.read(max_records))
+
+    def decode_raw(self, raw) -> tuple[Batch, list[Rejected]]:
+        """The stripe's share of a chunk from `read_raw` (which reads the whole file's)."""
+        return self._mine(*self.inner.decode_raw(raw))
+
+    def _mine(self, batch: Batch, rejected: list[Rejected]) -> tuple[Batch, list[Rejected]]:
+        mine = batch.offset % self.world == self.rank
+        if not mine.all():
+            batch = batch.take(np.flatnonzero(mine))       # multi-hot (jagged) fields included
+        return batch, [r for r in rejected if r.offset % self.world == self.rank]
+
+    def __getattr__(self, name: str):
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __enter__(self) -> "StripedSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.inner.close()
+
+
+def ready_events(items: Iterator[Batch | Idle | Revoked], look_ahead: LookAhead | None) -> Iterator[Event]:
+    """`Ready` events of the batches among `items` (other events passed on); with
+    `look_ahead`, each batch is handed out once the one after it is read, and names it."""
+    for item in items:
+        if not isinstance(item, Batch):
+            yield item
+        elif look_ahead is None:
+            yield Ready(item, None, time.time())
+        else:
+            held = look_ahead.swap(item)        # a rebalance during this read discarded from it
+            if held is not None:
+                yield Ready(held, item, time.time())
+    last = look_ahead.swap(None) if look_ahead is not None else None
+    if last is not None:
+        yield Ready(last, None, time.time())
+
+
+class FileInput:
+    """A file: `data.epochs` passes over its lines before the held-out tail (the last
+    `data.holdout_fraction`), from the resume position; a distributed rank reads its
+    stripe. A damaged file (a truncated gzip) is trained up to its damage: the pass
+    then stops, unfinished (`at_damage`), and a resume with the repaired file goes on."""
+
+    def __init__(self, cfg: Config, processes_per_host: int = 1, stripe: tuple[int, int] = (0, 1)) -> None:
+        self.cfg = cfg
+        self.fmt, self.path = detect_format(cfg.data.source, cfg.data.schema)
+        self.n_total, self.damage = count_readable(self.path, self.fmt)
+        self.train_end = held_out_start(self.n_total, cfg.data.holdout_fraction)
+        self.key = f"file:{self.path.name}"
+        self.processes_per_host, self.stripe = processes_per_host, stripe
+        self.source: FileSource | StripedSource | ReadAhead | None = None    # the pass's reader
+        self.at_damage = False
+        self._line = 0                  # the next line to train in this pass
+
+    # A file needs no polling while a rank waits for its peers, and no positions from them.
+    keeps_polling = False
+    peers_wanted = False
+
+    def handover_positions(self) -> Positions:
+        return {}
+
+    def give_peer_positions(self, every_rank: list[Positions]) -> None:
+        """A rank's stripe is its own: nothing to take from the others."""
+
+    # -- what the run asks before it starts --------------------------------------------
+
+    @property
+    def empty(self) -> bool:
+        """The file holds no records (an empty file, an empty gzip, a header alone)."""
+        return self.n_total == 0 and self.damage is None
+
+    @property
+    def held_out(self) -> tuple[Path, int, int] | None:
+        """(file, first line, end) of the held-out tail, or None."""
+        return (self.path, self.train_end, self.n_total) if self.train_end < self.n_total else None
+
+    def restore(self, positions: Positions, resume: str | None = None, saved: Config | None = None) -> None:
+        """Start at a checkpoint's positions; refuse a holdout that would now train lines the
+        run held out (`resume`, `saved`: the checkpoint and its config, for the message)."""
+        done = int(positions.get(self.key, 0))
+        if done > self.train_end:
+            raise ConfigError(
+                f"--resume {resume}: the run already trained {self.path.name} up to line "
+                f"{done:,}, past where data.holdout_fraction = {self.cfg.data.holdout_fraction:g} "
+                f"starts the held-out lines ({self.train_end:,}); resume with the run's holdout "
+                f"({saved.data.holdout_fraction if saved else 0:g}) or train into a new --run-dir")
+        self._line = done
+
+    def wants_more(self, epoch: int) -> bool:
+        return epoch < self.cfg.data.epochs and not self.at_damage and not self.empty
+
+    # -- a pass -------------------------------------------------------------------------
+
+    def events(self, limit_records: int, stop: "StopSignal", dead_letter, monitor: "RunMonitor",
+               look_ahead: bool) -> Iterator[Event]:
+        """One pass from the resume position; closes its reader when it ends or is closed."""
+        d = self.cfg.data
+        source = FileSource(self.path, self.fmt, start_offset=self._line, chunk_records=d.chunk_records,
+                            stop_offset=self.train_end)
+        rank, world = self.stripe
+        if world > 1:
+            source = StripedSource(source, rank, world)
+        if d.read_ahead_chunks:
+            source = ReadAhead(source, d.read_ahead_chunks,
+                               decode_threads(d.decode_threads, self.processes_per_host))
+        self.source = source
+        try:
+            batches = micro_batches(source, d.batch_size, dead_letter, limit_records, monitor)
+            yield from ready_events(batches, LookAhead() if look_ahead else None)
+        finally:
+            source.close()
+
+    def owned(self, batch: Batch) -> Batch:
+        return batch
+
+    def trained(self, batch: Batch) -> None:
+        self._line = batch.positions_after().get(self.key, self._line)
+
+    def snapshot(self) -> Positions:
+        return {self.key: self._line} if self._line else {}
+
+    def commit(self) -> None:
+        """A file keeps no offsets but the checkpoint's."""
+
+    def end_pass(self, completed: bool, limit_reached: bool) -> bool:
+        """After `events` ended; `completed`: its batches ran out (all trained), not a stop.
+        True when the pass over the file is finished (the next starts at its first line)."""
+        if not completed or limit_reached:
+            return False
+        if self.damage is not None:
+            self.at_damage = True       # not the file's end: a resume with the repaired file goes on
+            return False
+        self._line = 0
+        return True
+
+    def lag(self, epoch: int) -> dict[str, int]:
+        """Records of the training range not yet trained."""
+        if epoch >= self.cfg.data.epochs:
+            return {self.key: 0}
+        return {self.key: max(self.train_end - self._line, 0)}
+
+    def damaged(self, checkpoint: str) -> DamagedFile:
+        """The error that ends a run whose pass stopped at the damage of its file, after
+        its checkpoint: what was trained, and how a resume goes on."""
+        d, held = self.damage, self.n_total - self.train_end
+        done = (f"were read: the first {self.train_end:,} trained, the last {held:,} held out and scored"
+                if held else "were trained")
+        then = (f"re-copy it, then `stream-ctr train --resume {self.cfg.train.run_dir}` goes on from line "
+                f"{self._line:,} (checkpoint {checkpoint})")
+        return DamagedFile(d.path, d.lines, d.cause, d.cut_bytes, done, then)
+
+    def close(self) -> dict:
+        if self.source is not None:
+            self.source.close()
+        return {}
+
+
+class KafkaInput:
+    """A Kafka topic: one long pass that ends when the stream stays idle for
+    `kafka.stop_when_idle_s` (or at the limit, or on a stop). Batches are cut by fetch
+    order with a latency budget, or by offsets alone (`kafka.deterministic_batches`).
+    The consumer joins the group on the first `events` call and leaves it on `close`."""
+
+    held_out = None
+    empty = False
+    at_damage = False
+
+    def __init__(self, cfg: Config, url: KafkaUrl, trained_records: Callable[[], int],
+                 before_commit: Callable[[], None] | None, wait_for_peers: bool = False) -> None:
+        """`before_commit`: makes the model trained so far durable (a checkpoint); called
+        inside a rebalance, before the revoked partitions' offsets are committed. None:
+        the caller checkpoints when the `Revoked` event reaches it."""
+        self.cfg, self.url = cfg, url
+        self.fmt = declared_schema(cfg) or url.options.record_format
+        self.key = None
+        self.batcher: StreamBatcher | OffsetOrderBatcher = new_stream_batcher(cfg, url, trained_records)
+        self.before_commit, self.wait_for_peers = before_commit, wait_for_peers
+        self.source: KafkaSource | None = None
+        self.ended = False
+        self._positions: Positions = {}
+        self._ready: list[Batch] = []           # full batches cut, not yet handed out
+        self._look_ahead: LookAhead | None = None
+        self._revoked: list[Revoked] = []       # events for the loop
+        self._gone_since_handout: set[str] = set()
+
+    def restore(self, positions: Positions, resume: str | None = None, saved: Config | None = None) -> None:
+        self._positions = dict(positions)
+
+    # A rank waiting for its peers keeps polling (`poll_while_waiting`): a group rebalance
+    # completes only when every member polls.
+    keeps_polling = True
+
+    @property
+    def peers_wanted(self) -> bool:
+        """This rank's consumer holds new partitions until the ranks exchange positions."""
+        return self.source is not None and self.source.peers_wanted
+
+    def handover_positions(self) -> Positions:
+        """Where this rank left the partitions it gave up in this run."""
+        return self.source.handover_positions() if self.source is not None else {}
+
+    def give_peer_positions(self, every_rank: list[Positions]) -> None:
+        """Every rank's hand-over positions: newly assigned partitions start no earlier
+        than where any rank left them (connectors/kafka/source.py, "Ranks of a
+        distributed job")."""
+        if self.source is not None:
+            self.source.give_peer_positions(every_rank)
+
+    def wants_more(self, epoch: int) -> bool:
+        return not self.ended
+
+    def open(self) -> "KafkaSource":
+        """The consumer (joining the group at the restored positions), opened once."""
+        if self.source is None:
+            from stream_ctr.connectors.kafka.source import KafkaSource
+            self.source = KafkaSource(self.url, positions=self._positions, on_revoke=self._on_revoke,
+                                      chunk_records=self.cfg.data.chunk_records,
+                                      wait_for_peers=self.wait_for_peers, schema=declared_schema(self.cfg))
+        return self.source
+
+    def _on_revoke(self, partitions: list[str], lost: bool) -> None:
+        """The consumer's rebalance listener (inside a read, on the loop's thread): drop
+        the partitions' untrained rows (the next owner reads them; if that is this
+        member again, it continues at the trained position and reads them again), then,
+        unless the membership was lost, make the trained model durable before the
+        source commits their offsets."""
+        gone = set(partitions)
+        self.batcher.discard(partitions)
+        self._ready = [b for b in (filter_partitions(b, gone) for b in self._ready) if len(b)]
+        if self._look_ahead is not None:
+            self._look_ahead.discard(partitions)
+        self._gone_since_handout |= gone
+        self._revoked.append(Revoked(tuple(partitions), lost))
+        if not lost and self.before_commit is not None:
+            self.before_commit()
+
+    # -- the stream ---------------------------------------------------------------------
+
+    def events(self, limit_records: int, stop: "StopSignal", dead_letter, monitor: "RunMonitor | None",
+               look_ahead: bool) -> Iterator[Event]:
+        """The stream's events until it goes idle, the limit or a stop (see the module)."""
+        source = self.open()
+        if isinstance(self.batcher, OffsetOrderBatcher):
+            batches = offset_ordered_batches(source, self.batcher, dead_letter, limit_records,
+                                             self.cfg.data.max_batch_delay_s, stop, monitor)
+        else:
+            batches = self._fetch_order_batches(dead_letter, limit_records, stop, monitor)
+        self._look_ahead = LookAhead() if look_ahead else None
+        for event in ready_events(self._with_revocations(batches), self._look_ahead):
+            if isinstance(event, Ready):
+                self._gone_since_handout = set()
+            yield event
+
+    def _with_revocations(self, batches: Iterator[Batch | Idle]) -> Iterator[Batch | Idle | Revoked]:
+        for item in batches:
+            yield from self._take_revoked()
+            yield item
+        yield from self._take_revoked()
+
+    def _take_revoked(self) -> list[Revoked]:
+        out, self._revoked = self._revoked, []
+        return out
+
+    def _fetch_order_batches(self, dead_letter, limit_records: int, stop: "StopSignal",
+                             monitor: "RunMonitor") -> Iterator[Batch | Idle]:
+        """Micro-batches by fetch order; at most `limit_records` rows when it is >= 0. A
+        partial batch trains once its oldest row waited `data.max_batch_delay_s`, at the
+        limit, and when the stream goes idle; a stop leaves pending rows untrained (no
+        checkpoint covers them: a restart reads them again)."""
+        batcher, source, max_delay_s = self.batcher, self.source, self.cfg.data.max_batch_delay_s
+        emitted = 0
+        while not source.exhausted and not stop.requested:
+            if not self._ready:
+                t0 = time.perf_counter()
+                # Just what the next batch needs: the source is polled once per batch
+                # (heartbeats, rebalances) and keeps the rest of a fetch buffered.
+                chunk, rejected = source.read(max(1, batcher.batch_size - batcher.pending_rows))
+                if monitor is not None:
+                    monitor.on_read(chunk, rejected, time.perf_counter() - t0)
+                if not dead_letter_or_stop(dead_letter, rejected, stop):
+                    return
+                self._ready += batcher.add(chunk)
+                pending = batcher.pending_rows
+                if pending and (
+                        # every row up to the limit is here: the last batch of the run is partial
+                        0 <= limit_records <= emitted + sum(map(len, self._ready)) + pending
+                        # the latency budget is spent: train what is there
+                        or (not self._ready and batcher.oldest_wait_s() >= max_delay_s)):
+                    self._ready.append(batcher.flush())
+            if not self._ready:
+                yield IDLE
+            while self._ready:
+                batch = self._ready.pop(0)
+                if 0 <= limit_records <= emitted + len(batch):
+                    yield batch.slice(0, limit_records - emitted)
+                    return
+                emitted += len(batch)
+                yield batch
+        if stop.requested:
+            return
+        rest = batcher.flush()                      # the stream went idle: train the tail
+        if rest is not None:
+            yield rest.slice(0, limit_records - emitted) if limit_records >= 0 else rest
+
+    def poll_while_waiting(self, monitor: "RunMonitor", dead_letter) -> None:
+        """One read while the caller waits (a rank for its peers: a group rebalance needs
+        every member to poll); what it reads waits for `events`, up to
+        `kafka.max_buffered_records` rows."""
+        if self.source is None or self.source.exhausted:
+            time.sleep(0.001)
+            return
+        if sum(map(len, self._ready)) + self.batcher.pending_rows >= self.source.options.max_buffered_records:
+            time.sleep(0.01)
+            return
+        t0 = time.perf_counter()
+        chunk, rejected = self.source.read()
+        monitor.on_read(chunk, rejected, time.perf_counter() - t0)
+        dead_letter.write(rejected)
+        ready = self.batcher.add(chunk)
+        self._ready += ready or []          # the offset-ordered batcher keeps its rows queued
+
+    def owned(self, batch: Batch) -> Batch:
+        """`batch` without rows of partitions a rebalance took since it was handed out (even
+        if they came straight back: they are read again from the trained position)."""
+        if self._gone_since_handout:
+            batch = filter_partitions(batch, self._gone_since_handout)
+        return self.source.owned_rows(batch) if self.source is not None else batch
+
+    def trained(self, batch: Batch) -> None:
+        # Packed messages may straddle batches: the source folds the trained rows.
+        self._positions = self.source.trained(batch)
+
+    def snapshot(self) -> Positions:
+        return self.source.trained_positions if self.source is not None else dict(self._positions)
+
+    def commit(self) -> None:
+        if self.source is not None:
+            self.source.commit(self.snapshot())
+
+    def end_pass(self, completed: bool, limit_reached: bool) -> bool:
+        """A stream is never finished: it ends (idle), it never starts over."""
+        self.ended = self.source is not None and self.source.exhausted
+        return False
+
+    def lag(self, epoch: int) -> dict[str, int]:
+        return self.source.lag() if self.source is not None else {}
+
+    def close(self) -> dict:
+        """Leave the group (commits happen after checkpoints only); the source's stats."""
+        if self.source is None:
+            return {}
+        stats = self.source.stats.as_dict()
+        self.source.close()
+        return stats
