@@ -18,6 +18,15 @@ One package, one subpackage per job; imports flow one way, top to bottom
 
 `connectors/` and `ops/` are top-level folders of the repository that install
 as `stream_ctr.connectors` and `stream_ctr.ops`.
+
+The public API (docs/python-api.md), loaded on first use so that `import
+stream_ctr` (and `stream-ctr --help`) stays light:
+
+    stream_ctr.train(config=None, **options)   train; returns a RunSummary
+    stream_ctr.load_bundle(path)               an exported bundle (checksums checked)
+    stream_ctr.Scorer(bundle)                  scores decoded batches with it
+    stream_ctr.Schema, parse_schema            a declared record layout
+    stream_ctr.Config, load_config, ConfigError, RunSummary
 """
 from importlib import metadata as _metadata
 
@@ -45,3 +54,30 @@ def _numba_cache_dir() -> None:
 
 
 _numba_cache_dir()
+
+
+# name -> (module, attribute): what `from stream_ctr import NAME` loads on first use.
+_PUBLIC = {
+    "load_bundle": ("stream_ctr.serving.bundle", "read_bundle"),
+    "Scorer": ("stream_ctr.serving.scorer", "Scorer"),
+    "Schema": ("stream_ctr.connectors.schema", "Schema"),
+    "parse_schema": ("stream_ctr.connectors.schema", "parse_schema"),
+    "Config": ("stream_ctr.config", "Config"),
+    "load_config": ("stream_ctr.config", "load_config"),
+    "ConfigError": ("stream_ctr.config", "ConfigError"),
+    "RunSummary": ("stream_ctr.train.loop", "RunSummary"),
+}
+__all__ = ["__version__", "train", *_PUBLIC]
+
+
+def __getattr__(name: str):
+    # `train` is also the subpackage stream_ctr/train/, which is callable (its __init__
+    # says why), so `stream_ctr.train(...)` works however it was first imported.
+    if name == "train":
+        import importlib
+        return importlib.import_module("stream_ctr.train")
+    if name in _PUBLIC:
+        import importlib
+        module, attr = _PUBLIC[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'stream_ctr' has no attribute {name!r}")

@@ -339,6 +339,29 @@ def set_option(cfg: Config, dotted: str, value: Any, origin: str = "override") -
     setattr(sub, name, _convert(value, default, dotted, origin))
 
 
+def config_with_options(config: "Config | str | Path | None", options: dict[str, Any]) -> "Config":
+    """A Config from `config` (a Config, copied; a TOML file; None: the defaults) with
+    `options` set on it (the Python API's keywords). An option is `section__name`
+    (`data__batch_size=1024`), or the bare name when one section alone has it
+    (`batch_size=1024`); ConfigError names an unknown or ambiguous one."""
+    if isinstance(config, Config):
+        cfg = Config.from_dict(config.to_dict(), origin="config")
+    else:
+        cfg = load_config(config)
+    sections = [f.name for f in dataclasses.fields(cfg)]
+    for key, value in options.items():
+        section, sep, name = key.partition("__")
+        if not sep:
+            owners = [s for s in sections if any(f.name == key for f in dataclasses.fields(getattr(cfg, s)))]
+            if len(owners) != 1:
+                why = (f"{' and '.join(f'{s}.{key}' for s in owners)} both exist: write "
+                       f"{owners[0]}__{key}" if owners else "no section has it")
+                raise ConfigError(f"option {key!r}: {why}")
+            section, name = owners[0], key
+        set_option(cfg, f"{section}.{name}", value, origin="options")
+    return cfg
+
+
 def _convert(value: Any, default: Any, dotted: str, origin: str) -> Any:
     try:
         if isinstance(default, bool):
