@@ -48,6 +48,7 @@ from stream_ctr.train.batches import StopSignal
 from stream_ctr.train.checkpoint import CheckpointError
 from stream_ctr.train.inputs import Idle, Revoked
 from stream_ctr.train.run_dir import RunDirOwner, claim_run_dir, point_latest
+from stream_ctr.train.streaming import stream_url
 from stream_ctr.train.loop import JobParts, Run, RunSummary
 from stream_ctr.train.trainer import resolve_device
 
@@ -81,6 +82,7 @@ class Job:
 
     def __init__(self, cfg: Config, resume: str | None, ctx: DistContext) -> None:
         self.ctx = ctx
+        refuse_deterministic_batches(cfg)
         root = Path(cfg.train.checkpoint_dir or Path(cfg.train.run_dir) / "checkpoints")
         job = jobs.open_job(resume, ctx.world_size) if resume else None
         # A partition may have moved between ranks: whoever gets it now starts where the
@@ -280,6 +282,17 @@ class Job:
         with collective("gathering the run summaries"):
             dist.all_gather_object(everyone, mine)
         return _combine(s, everyone, self)
+
+
+def refuse_deterministic_batches(cfg: Config) -> None:
+    """`kafka.deterministic_batches` promises batches that are a function of offsets alone,
+    cut by one process with its journal in the run directory; a job's partitions move
+    between ranks, which share that directory."""
+    url = stream_url(cfg)
+    if url is not None and url.options.deterministic_batches:
+        raise ConfigError("kafka.deterministic_batches is for single-process runs: a distributed "
+                          "job's ranks share the run directory its cut journal lives in, and its "
+                          "partitions move between ranks; drop it, or train in one process")
 
 
 def _combine(s: DistributedSummary, everyone: list[dict], run: Job) -> DistributedSummary:

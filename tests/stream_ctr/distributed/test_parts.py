@@ -55,3 +55,15 @@ def test_a_single_process_checkpoint_is_not_taken_for_a_job(tmp_path):
     (tmp_path / "checkpoints" / "LATEST").write_text("ckpt-00000001")
     with pytest.raises(ConfigError, match="single-process checkpoint"):
         find_job(tmp_path)
+
+
+def test_deterministic_batches_are_refused_in_a_job_with_the_reason():
+    from stream_ctr.distributed.run import refuse_deterministic_batches
+    cfg = Config()
+    cfg.data.source = "kafka://127.0.0.1:9/clicks?group=g"
+    refuse_deterministic_batches(cfg)                  # fetch-order batches: fine
+    cfg.kafka.deterministic_batches = True
+    with pytest.raises(ConfigError, match="single-process runs.*share the run directory"):
+        refuse_deterministic_batches(cfg)
+    cfg.data.source = "criteo:sample"                  # a file: the option is about streams
+    refuse_deterministic_batches(cfg)
