@@ -30,6 +30,7 @@ what a resume trusts).
 """
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -197,6 +198,10 @@ class FileInput:
     def commit(self) -> None:
         """A file keeps no offsets but the checkpoint's."""
 
+    def where(self) -> str:
+        """Where the next batch starts, for a person."""
+        return f"line {self._line:,} of {self.path.name}"
+
     def end_pass(self, completed: bool, limit_reached: bool) -> bool:
         """After `events` ended; `completed`: its batches ran out (all trained), not a stop.
         True when the pass over the file is finished (the next starts at its first line)."""
@@ -257,6 +262,8 @@ class KafkaInput:
         self._look_ahead: LookAhead | None = None
         self._revoked: list[Revoked] = []       # events for the loop
         self._gone_since_handout: set[str] = set()
+        self._last_ready = time.monotonic()     # when a batch was last handed out
+        self._said_waiting = False
 
     def restore(self, positions: Positions, resume: str | None = None, saved: Config | None = None) -> None:
         self._positions = dict(positions)
@@ -324,7 +331,32 @@ class KafkaInput:
         for event in ready_events(self._with_revocations(batches), self._look_ahead):
             if isinstance(event, Ready):
                 self._gone_since_handout = set()
+                self._note_ready()
+            elif isinstance(event, Idle):
+                self._note_waiting()
             yield event
+
+    # A run that idles says so once per quiet spell, after this long without a batch.
+    WAITING_NOTE_S = 30.0
+
+    def _note_waiting(self) -> None:
+        quiet = time.monotonic() - self._last_ready
+        if self._said_waiting or quiet < self.WAITING_NOTE_S:
+            return
+        self._said_waiting = True
+        idle = self.url.options.stop_when_idle_s
+        ends = (f"the run ends after kafka.stop_when_idle_s = {idle:g} s without records" if idle else
+                "it waits until records arrive (kafka.stop_when_idle_s = 0: never ends on its own)")
+        print(f"stream-ctr: waiting for records from {', '.join(self.url.topics)}: no batch for {quiet:.0f} s "
+              f"({self.batcher.pending_rows:,} rows pending of a {self.cfg.data.batch_size:,}-row batch); "
+              f"{ends}", file=sys.stderr, flush=True)
+
+    def _note_ready(self) -> None:
+        if self._said_waiting and not self.source.exhausted:     # (not the idle end's last batch)
+            print(f"stream-ctr: records again after {time.monotonic() - self._last_ready:.0f} s",
+                  file=sys.stderr, flush=True)
+        self._said_waiting = False
+        self._last_ready = time.monotonic()
 
     def _with_revocations(self, batches: Iterator[Batch | Idle]) -> Iterator[Batch | Idle | Revoked]:
         for item in batches:
@@ -411,6 +443,13 @@ class KafkaInput:
     def commit(self) -> None:
         if self.source is not None:
             self.source.commit(self.snapshot())
+
+    def where(self, most: int = 4) -> str:
+        """Where the next batch starts, for a person: the first partitions' offsets."""
+        offsets = {n: o for n, o in self.snapshot().items() if "#" not in n}
+        shown = ", ".join(f"{n} {o:,}" for n, o in sorted(offsets.items())[:most])
+        more = f" and {len(offsets) - most} more partitions" if len(offsets) > most else ""
+        return f"offsets {shown}{more}" if offsets else "the group's committed offsets"
 
     def end_pass(self, completed: bool, limit_reached: bool) -> bool:
         """A stream is never finished: it ends (idle), it never starts over."""

@@ -161,8 +161,12 @@ class Run:
         self.trainer = Trainer.for_format(cfg, self.fmt)
         self.window = PrequentialWindow(cfg.train.eval_window_records, cfg.train.eval_refresh_s)
         self.epoch = 0
+        self.resumed = ""               # what a resumed run says at its start
         if state is not None:
             self.restore(state)
+            self.resumed = (f"resumed from {state.path} (step {state.step:,}, {state.records_trained:,} "
+                            f"records trained) at {self.input.where()}"
+                            + (f", pass {self.epoch + 1} of {cfg.data.epochs}" if cfg.data.epochs > 1 else ""))
         run_dir = Path(cfg.train.run_dir)
         self.ckpt_dir = Path(cfg.train.checkpoint_dir or run_dir / "checkpoints")
         link_checkpoint_dir(run_dir, cfg.train.checkpoint_dir)
@@ -499,6 +503,8 @@ def start_note(run: Run, show_progress: bool) -> None:
     run.summary.optim = dataclasses.asdict(run.trainer.optim)
     if show_progress:
         t = run.trainer
+        if run.resumed:
+            print(f"stream-ctr: {run.resumed}", file=sys.stderr, flush=True)
         print(describe_optim(t.optim), file=sys.stderr, flush=True)
         print(f"model: {run.cfg.model.name} on {t.device}, {t.precision} matmuls "
               f"(train.precision={run.cfg.train.precision})", file=sys.stderr, flush=True)

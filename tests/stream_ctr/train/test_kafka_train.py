@@ -126,3 +126,27 @@ def test_bench_ingest_prints_both_clients_for_both_layouts(kafka, capsys):
     assert all(r["records"] == 3000 and r["records_per_s"] > 0 and r["mb_per_s"] > 0 for r in rows)
     assert rows[1]["ratio_b_a"] > 0 and rows[3]["ratio_b_a"] > 0 and rows[3]["ratio_vs_a"] > 0
     assert result["crc32c"] is True
+
+
+def test_a_run_waiting_for_records_says_so_once_and_when_they_come_back(kafka, tmp_path, monkeypatch, capsys):
+    import threading
+    from stream_ctr.train.inputs import KafkaInput
+    monkeypatch.setattr(KafkaInput, "WAITING_NOTE_S", 1.0)
+    lines = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:400]
+    topic = kafka.topic(partitions=1)
+    kafka.produce(topic, lines[:100])                       # less than one batch
+    later = threading.Timer(6.0, kafka.produce, (topic, lines[100:400]))     # after a quiet spell
+    later.start()
+    cfg = kafka_config(tmp_path, kafka.url(topic, "quiet"))
+    cfg.kafka.stop_when_idle_s = 10.0
+    try:
+        s = train(cfg, show_progress=False)
+    finally:
+        later.join()
+    err = capsys.readouterr().err
+    assert s.records_trained == 400                 # the idle end trains the partial batch
+    # Once per quiet spell: before the first batch, and after the last
+    # full one (16 pending) until the idle end; records coming back in between are noted.
+    assert err.count(f"waiting for records from {topic}: no batch for") == 2
+    assert "rows pending of a 128-row batch); the run ends after kafka.stop_when_idle_s = 10 s" in err
+    assert err.count("stream-ctr: records again after") == 1    # not for the idle end's last batch

@@ -258,3 +258,13 @@ def test_a_stop_mid_pass_resumes_with_the_rest_of_that_pass(tmp_path, monkeypatc
     monkeypatch.setattr(loop.Run, "record", record)
     rest = train(cfg, resume=cfg.train.run_dir, show_progress=False)
     assert rest.records_trained == 13_044 - 5 * 128 and rest.records_trained_total == 13_044
+
+
+def test_a_resumed_run_says_where_it_goes_on(tmp_path, capsys):
+    cfg = small_config(tmp_path, limit_records=640)
+    first = train(cfg, show_progress=False)
+    capsys.readouterr()
+    train(small_config(tmp_path, limit_records=320), resume=cfg.train.run_dir, show_progress=True)
+    err = capsys.readouterr().err
+    assert (f"resumed from {first.checkpoint} (step 5, 640 records trained) at line 640 of "
+            "criteo_kaggle_sample_14493.tsv.gz") in err
