@@ -182,11 +182,36 @@ def _line(ax: Any, series: list[RankSeries], y_key: str, label: str) -> bool:
     for s in series:
         pts = [(x, y) for x, y in zip(s.minutes(), s.column(y_key)) if math.isfinite(x) and math.isfinite(y)]
         if pts:
+            # A restart breaks the line: the time the run was down has no samples, and a
+            # straight segment across it would draw a ramp that never happened.
+            t0 = s.t0()
+            for start in s.starts[1:]:
+                pts.append(((start["t"] - t0) / 60.0, math.nan))
+            pts.sort(key=lambda p: p[0])
             name = f"{label} (rank {s.rank})" if len(series) > 1 else label
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, linewidth=1.4)
             _marks(ax, s)
             drew = True
+    if drew:
+        _legend(ax, series)
     return drew
+
+
+def _legend(ax: Any, series: list[RankSeries]) -> None:
+    """The plotted lines and, when present, what the vertical marks mean."""
+    from matplotlib.lines import Line2D
+    handles, labels = ax.get_legend_handles_labels()
+    marks = (("restart (the run was down until here)", any(len(s.starts) > 1 for s in series),
+              dict(color="0.6", linestyle="--", linewidth=0.8)),
+             ("checkpoint", any(s.checkpoints for s in series),
+              dict(color="tab:blue", linestyle=":", linewidth=0.8)),
+             ("next pass over the file", any(s.epoch_starts for s in series),
+              dict(color="tab:green", linestyle="-.", linewidth=1.0)))
+    for text, present, style in marks:
+        if present:
+            handles.append(Line2D([], [], **style))
+            labels.append(text)
+    ax.legend(handles, labels, loc="best", fontsize="small")
 
 
 def _tiers(series: list[RankSeries]) -> list[str]:
@@ -269,7 +294,11 @@ def plot_all(series: list[RankSeries], out: Path) -> list[Path]:
 
 def _fmt(x: Any) -> str:
     if isinstance(x, float):
-        return "-" if not math.isfinite(x) else (f"{x:,.4f}" if abs(x) < 100 else f"{x:,.0f}")
+        if not math.isfinite(x):
+            return "-"
+        if x != 0 and abs(x) < 0.01:        # an l2 of 1e-05 is not 0.0000
+            return f"{x:.4g}"
+        return f"{x:,.4f}" if abs(x) < 100 else f"{x:,.0f}"
     if isinstance(x, int) and not isinstance(x, bool):
         return f"{x:,}"
     return "-" if x is None else str(x)
@@ -290,7 +319,8 @@ def render_html(run_dir: Path, series: list[RankSeries], plots: list[Path]) -> s
     first = main.starts[0] if main.starts else {}
     last = main.intervals[-1] if main.intervals else {}
     end = main.end or {}
-    rows = [("run directory", str(run_dir)), ("model", first.get("model")),
+    # runs/latest is a link: name the run it points at
+    rows = [("run directory", str(run_dir.resolve())), ("model", first.get("model")),
             ("source", first.get("source")), ("batch size", first.get("batch_size")),
             ("invocations", len(main.starts)), ("ranks", len(series))]
     rows += [(label, end[key]) for key, label in SUMMARY_KEYS if key in end]
@@ -310,7 +340,7 @@ def render_html(run_dir: Path, series: list[RankSeries], plots: list[Path]) -> s
     imgs = "\n".join(f'<figure><img src="{html.escape(p.name)}" alt="{html.escape(p.stem)}"></figure>'
                      for p in plots)
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>stream_ctr run report: {html.escape(run_dir.name)}</title>
+<html><head><meta charset="utf-8"><title>stream_ctr run report: {html.escape(run_dir.resolve().name)}</title>
 <style>
 body {{ font-family: sans-serif; margin: 1.5em; color: #222; }}
 table {{ border-collapse: collapse; margin-bottom: 1em; }}

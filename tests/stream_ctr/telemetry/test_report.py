@@ -134,3 +134,32 @@ def test_a_crashed_resume_is_not_shown_with_the_previous_invocations_end(tmp_pat
     assert series.end is None
     page = write_report(tmp_path).html.read_text()
     assert "still going or crashed" in page
+
+
+def test_restarts_break_the_line_and_the_legend_says_what_the_marks_are(tmp_path):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import math
+    import matplotlib.pyplot as plt
+    from stream_ctr.telemetry.report import _fmt, _line
+    lines = [{"kind": "start", "t": 0, "records": 0, "model": "deepfm", "source": "criteo:x"}]
+    lines += [{"kind": "interval", "t": 10 * i, "records": 100 * i, "auc": 0.7} for i in range(1, 4)]
+    lines += [{"kind": "checkpoint", "t": 25}, {"kind": "start", "t": 600, "records": 300}]
+    lines += [{"kind": "interval", "t": 600 + 10 * i, "records": 300 + 100 * i, "auc": 0.72} for i in range(1, 3)]
+    (tmp_path / "timeseries.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    fig, ax = plt.subplots()
+    assert _line(ax, load_series(tmp_path), "auc", "AUC")
+    ys = list(ax.get_lines()[0].get_ydata())
+    # 3 samples, a gap while the run was down (no segment drawn across it), 2 samples
+    assert [math.isnan(y) for y in ys] == [False, False, False, True, False, False]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["AUC", "restart (the run was down until here)", "checkpoint"]
+    plt.close(fig)
+    assert _fmt(1e-05) == "1e-05" and _fmt(0.0) == "0.0000" and _fmt(0.73154) == "0.7315"
+
+
+def test_the_page_names_the_run_a_latest_link_points_at(finished_run, tmp_path):
+    latest = tmp_path / "latest"
+    latest.symlink_to(finished_run)
+    page = write_report(latest, out=tmp_path / "report").html.read_text()
+    assert str(finished_run.resolve()) in page and str(latest) not in page
