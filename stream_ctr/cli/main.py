@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from stream_ctr.cli.output import emit
+from stream_ctr.cli.output import LOG_LEVELS, emit, set_log_level
 from stream_ctr.config import Config, ConfigError, load_config, set_option
 
 EPILOG = """examples:
@@ -65,6 +65,8 @@ def _byte_size(text: str) -> int:
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--quiet", action="store_true", help="no live progress on stderr")
+    p.add_argument("--log-level", choices=LOG_LEVELS, help="log lines of stream_ctr on stderr from "
+                   "this level up (default: a Kafka run's at info, others' at warning)")
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -79,8 +81,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schema", metavar="FILE", help="data.schema: the declared fields of json:/csv: "
                    "records (TOML; `stream-ctr schema infer SOURCE` writes one); stored in the "
                    "checkpoint, so eval, resume and predict decode the same way")
-    p.add_argument("--stop-after-records", type=int, metavar="N", help="data.limit_records: "
-                   "stop after training N records in this invocation (streams: backfills, tests)")
+    # An older name of --limit: still accepted, not shown (one name per option).
+    p.add_argument("--stop-after-records", dest="limit", type=int, help=argparse.SUPPRESS)
     p.add_argument("--stop-when-idle", type=float, metavar="SECONDS", help="kafka.stop_when_idle_s: "
                    "end a Kafka run after this long without new records")
     p.add_argument("--config", default=_env("STREAM_CTR_CONFIG"),
@@ -101,7 +103,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     # abbreviation of --scale-from, and says what replaces it.
     p.add_argument("--scale", type=float, help=argparse.SUPPRESS)
     p.add_argument("--epochs", type=int, help="data.epochs (passes over a file)")
-    p.add_argument("--limit", type=int, help="data.limit_records: train at most N records")
+    p.add_argument("--limit", type=int, metavar="N", help="data.limit_records: train at most N "
+                   "records in this invocation, then checkpoint (a stream: a backfill's end)")
     p.add_argument("--holdout-fraction", type=float, help="data.holdout_fraction: keep the "
                    "last F of the records out of training and evaluate on them at the end")
     p.add_argument("--run-dir", default=_env("STREAM_CTR_RUN_DIR"),
@@ -166,7 +169,11 @@ def _show_config_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def _eval_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("eval", help="score a file with a checkpoint: AUC, logloss, calibration")
+    p = sub.add_parser("eval", help="score a file with a checkpoint: AUC, logloss, calibration",
+                       description="Score records with a checkpoint's model (no training) and print "
+                                   "AUC, logloss, calibration and normalized entropy. By default the "
+                                   "run's own held-out rows (data.holdout_fraction); another SOURCE is "
+                                   "scored whole. Options may come before or after the positionals.")
     p.add_argument("checkpoint", nargs="?", default="runs/latest",
                    help="checkpoint directory, checkpoint root or run dir (default: runs/latest)")
     p.add_argument("source", nargs="?", help="criteo:PATH, avazu:PATH, json:PATH, csv:PATH, or a "
@@ -280,6 +287,30 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+class IntermixedParser(argparse.ArgumentParser):
+    """A command's parser that takes options anywhere among its positionals
+    (`eval runs/m1 --json criteo:sample`): plain argparse gives both optional
+    positionals out at the first run of positionals and then refuses the second."""
+
+    _intermixing = False
+
+    def add_subparsers(self, **kwargs):
+        kwargs.setdefault("parser_class", IntermixedParser)
+        return super().add_subparsers(**kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        # A parser with subcommands of its own parses as usual (argparse's intermixed
+        # parsing refuses subparsers); its leaves intermix. parse_known_intermixed_args
+        # calls back here for its two passes, which must be the plain ones.
+        if self._subparsers is not None or self._intermixing:
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stream-ctr", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -287,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "with CowClip, tiered embeddings and prequential evaluation.")
     from stream_ctr import __version__
     parser.add_argument("--version", action="version", version=f"stream-ctr {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=IntermixedParser)
     for add in (_train_parser, _eval_parser, _synth_parser, _bench_parser, _report_parser):
         add(sub)
     from stream_ctr.cli.kafka import add_replay_parser
@@ -347,7 +379,6 @@ def cmd_train(args: argparse.Namespace) -> int:
              "batch": ("data.batch_size", args.batch_size), "epochs": ("data.epochs", args.epochs),
              "scale_from": ("optim.scale_from_batch", args.scale_from),
              "limit": ("data.limit_records", args.limit),
-             "stop_after": ("data.limit_records", args.stop_after_records),
              "idle": ("kafka.stop_when_idle_s", args.stop_when_idle),
              "holdout": ("data.holdout_fraction", args.holdout_fraction),
              "run_dir": ("train.run_dir", args.run_dir),
@@ -520,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     # exit inside parse_args, and torch loads only with a command that needs it.
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    set_log_level(getattr(args, "log_level", None))
     try:
         _check_extras(args)
         result = args.func(args)

@@ -22,6 +22,25 @@ def emit(args: argparse.Namespace, summary: dict, line: str) -> None:
     print(json.dumps(_finite(summary)) if args.json else line, flush=True)
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_chosen_level: int | None = None            # --log-level, when given
+
+
+def set_log_level(name: str | None) -> None:
+    """--log-level: every stream_ctr logger at that level on stderr (None: as the commands
+    choose, INFO for a Kafka run's lines and WARNING elsewhere)."""
+    global _chosen_level
+    if name is None:
+        return
+    _chosen_level = getattr(logging, name.upper())
+    root = logging.getLogger("stream_ctr")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("stream-ctr: %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(_chosen_level)
+
+
 def configure_logging(quiet: bool = False) -> None:
     """Our Kafka log lines (outages, rebalances, positions) on stderr; kafka-python's own
     per-connection errors only with STREAM_CTR_KAFKA_DEBUG=1 (our lines say the same once)."""
@@ -31,7 +50,7 @@ def configure_logging(quiet: bool = False) -> None:
         handler.setFormatter(logging.Formatter("stream-ctr: %(message)s"))
         ours.addHandler(handler)
         ours.propagate = False
-    ours.setLevel(logging.WARNING if quiet else logging.INFO)
+    ours.setLevel(_chosen_level if _chosen_level is not None else logging.WARNING if quiet else logging.INFO)
     client = logging.getLogger("kafka")
     if os.environ.get("STREAM_CTR_KAFKA_DEBUG"):
         if ours.handlers[0] not in client.handlers:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 from stream_ctr.cli.output import emit
-from stream_ctr.config import load_config, validate
+from stream_ctr.config import ConfigError, load_config, validate
 from stream_ctr.resources import example_config_text, export_monitoring
 
 
@@ -26,7 +26,10 @@ def add_resource_parsers(sub: argparse._SubParsersAction,
     cfg = sub.add_parser("config", help="configuration files")
     csub = cfg.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     ex = csub.add_parser("example", help="print (or write) a commented example TOML config")
-    ex.add_argument("--output", "-o", help="write it to this file (default: stdout)")
+    ex.add_argument("--out", "-o", help="write it to this file (default: stdout)")
+    # An older name of --out: still accepted, not shown (one name per option).
+    ex.add_argument("--output", dest="out", help=argparse.SUPPRESS)
+    ex.add_argument("--force", action="store_true", help="overwrite the file if it exists")
     ex.set_defaults(func=cmd_config_example)
 
 
@@ -40,10 +43,14 @@ def cmd_monitoring_export(args: argparse.Namespace) -> int:
 
 def cmd_config_example(args: argparse.Namespace) -> int:
     text = example_config_text()
-    if args.output:
-        Path(args.output).write_text(text)
-        validate(load_config(args.output))          # what we ship must load as it is
-        print(f"wrote an example config to {args.output} (stream-ctr train --config {args.output})")
+    if args.out:
+        out = Path(args.out)
+        if out.exists() and not args.force:
+            raise ConfigError(f"--out {out} exists: it may be your config; name another file, "
+                              "or add --force to overwrite it")
+        out.write_text(text)
+        validate(load_config(out))          # what we ship must load as it is
+        print(f"wrote an example config to {out} (stream-ctr train --config {out})")
     else:
         print(text, end="")
     return 0

@@ -58,8 +58,8 @@ def add_serving_parsers(sub: argparse._SubParsersAction, add_common) -> None:
                        "one per line, or float32 .npy when FILE ends in .npy. The summary line "
                        "gives AUC and logloss (the files carry labels).")
     q.add_argument("bundle", help="bundle directory (stream-ctr export)")
-    q.add_argument("source", nargs="?", help="criteo:PATH, avazu:PATH, a path, or criteo:sample / "
-                   "avazu:sample (default: the bundle's run's own source, and then only its "
+    q.add_argument("source", nargs="?", help="criteo:PATH, avazu:PATH, a path, json:PATH / csv:PATH "
+                   "(decoded with the bundle's schema), or criteo:sample / avazu:sample (default: the bundle's run's own source, and then only its "
                    "held-out lines)")
     q.add_argument("--out", required=True, metavar="FILE", help="where the probabilities go "
                    "(.npy: float32 array; else text, one per line)")

@@ -19,7 +19,7 @@ batching is for one consumer per group; a distributed job ignores the flag).
 
 Cuts.  A batch that cannot follow the plan -- a partition has no rows within
 the latency budget (`data.max_batch_delay_s`), the stream went idle
-(`--stop-when-idle`, the tail), or `--stop-after-records` ends the run inside
+(`--stop-when-idle`, the tail), or `--limit` ends the run inside
 a batch -- takes what is there (`allocate` over the rows available) and is
 *recorded* before it trains: one JSON line in ``RUN_DIR/batch_cuts.jsonl``
 (the records trained before it, the rows per partition, each partition's

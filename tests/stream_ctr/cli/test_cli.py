@@ -164,6 +164,24 @@ def test_config_example_loads_and_trains_as_printed(tmp_path):
     cfg = validate(load_config(tmp_path / "c.toml"))
     assert cfg.data.source == "criteo:sample" and cfg.store.cache_bytes == 256 << 20
     assert run("config", "example").stdout == (tmp_path / "c.toml").read_text()
+    (tmp_path / "c.toml").write_text("# the user's own\n")
+    refused = run("config", "example", "--out", str(tmp_path / "c.toml"))
+    assert refused.returncode == 2 and "exists: it may be your config" in refused.stderr
+    assert (tmp_path / "c.toml").read_text() == "# the user's own\n"
+    assert run("config", "example", "--out", str(tmp_path / "c.toml"), "--force").returncode == 0
+
+
+def test_options_may_follow_positionals_and_each_option_has_one_name():
+    from stream_ctr.cli.main import build_parser
+    parser = build_parser()
+    args = parser.parse_args(["eval", "runs/m1", "--json", "criteo:sample", "--stop", "10"])
+    assert (args.checkpoint, args.source, args.json, args.stop) == ("runs/m1", "criteo:sample", True, 10)
+    args = parser.parse_args(["train", "--quiet", "criteo:sample", "--limit", "5", "--log-level", "debug"])
+    assert (args.source, args.limit, args.log_level) == ("criteo:sample", 5, "debug")
+    # the older name still works, and sets the same option; help shows only --limit
+    assert parser.parse_args(["train", "--stop-after-records", "7"]).limit == 7
+    assert "--stop-after-records" not in run("train", "--help").stdout
+    assert "json:PATH" in run("predict", "--help").stdout
 
 
 def test_scale_from_resolves_for_the_batch_that_trains(tmp_path):

@@ -111,7 +111,7 @@ def test_sigkill_at_several_points_then_resume_is_bit_identical(kafka, tmp_path,
         before = checkpointed(run_dir)
         resume = ["--resume", str(run_dir)] if before else []
         child = trainer(mode, n, "-", train_args(url, run_dir, "--checkpoint-every", "3",
-                                                 "--stop-after-records", str(total - before), *resume))
+                                                 "--limit", str(total - before), *resume))
         out, err = child.communicate(timeout=120)
         if mode == "none":
             assert child.returncode == 0, err
@@ -183,7 +183,7 @@ def test_broker_outage_the_trainer_waits_says_so_and_continues(fresh_broker, tmp
     recreate_and_replay(half)
     log = tmp_path / "trained.log"
     child = trainer("none", 0, str(log), train_args(kafka.url(topic, "outage"), tmp_path / "run",
-                                                    "--checkpoint-every", "2", "--stop-after-records",
+                                                    "--checkpoint-every", "2", "--limit",
                                                     str(2 * half), "--set", "kafka.dead_letter_topic="))
     try:
         wait_for(lambda: len(trained_rows(log)) >= half, 60, "the first half to be trained")
