@@ -16,7 +16,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+import platform
+import sys
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from stream_ctr.telemetry.catalogue import FOLLOW_ONLY, SERVING_CATALOGUE
@@ -33,6 +37,16 @@ SERIES = {s.name: s.help for s in SERVING_CATALOGUE if s.name not in FOLLOW_ONLY
 # ... and of what a following server exports besides
 FOLLOW_SERIES = {s.name: s.help for s in SERVING_CATALOGUE if s.name in FOLLOW_ONLY}
 _HELP = {**SERIES, **FOLLOW_SERIES}
+
+
+# Every counter and histogram would also export a `_created` series per label set (the
+# client_python default): twice the series for no use, and the trainer's scrape has none.
+prometheus_client.disable_created_metrics()
+
+
+def _version() -> str:
+    from stream_ctr import __version__
+    return __version__
 
 
 @dataclass(frozen=True)
@@ -61,7 +75,14 @@ class ServingMetrics:
         self.batch_records = Histogram(f"{NS}_batch_records", _HELP[f"{NS}_batch_records"],
                                        registry=registry, buckets=BATCH_BUCKETS)
         self.swaps = Counter(f"{NS}_model_swaps", _HELP[f"{NS}_model_swaps_total"], registry=registry)
+        build = Gauge(f"{NS}_build_info", _HELP[f"{NS}_build_info"], ["version", "torch", "python"],
+                      registry=registry)
+        build.labels(_version(), getattr(sys.modules.get("torch"), "__version__", "not loaded"),
+                     platform.python_version()).set(1)
         registry.register(_ModelCollector(model, clock))
+        # process_cpu_seconds_total, process_resident_memory_bytes, process_start_time_seconds,
+        # open fds: what the trainer's scrape has, and what the shipped alerts read.
+        prometheus_client.ProcessCollector(registry=registry)
 
 
 class FollowMetrics:

@@ -153,6 +153,8 @@ SERVING_CATALOGUE: tuple[MetricSpec, ...] = (
     _spec("serving_model_age_seconds", "gauge", "", "Now minus the time its checkpoint was written "
           "(absent for a bundle exported before manifests carried that time)."),
     _spec("serving_model_swaps_total", "counter", "", "Models swapped in while serving."),
+    _spec("serving_build_info", "gauge", "version torch python",
+          "Always 1; the labels name the stream_ctr, torch and Python versions serving."),
     _spec("serving_model_published_version", "gauge", "",
           "The published version (train --publish) of the model answering."),
     _spec("serving_freshness_seconds", "gauge", "", "Freshness: from the arrival at the trainer of "

@@ -142,6 +142,11 @@ def test_healthz_and_metrics(run, served):
     info = samples["stream_ctr_serving_model_info"]
     assert info.labels["version"] == json.loads(request(served, "GET", "/healthz")[1])["model_version"]
     assert 0 <= samples["stream_ctr_serving_model_age_seconds"].value < 3600
+    # as the trainer's scrape: build info, the process, no `_created` series
+    from stream_ctr import __version__
+    assert samples["stream_ctr_serving_build_info"].labels["version"] == __version__
+    assert samples["process_resident_memory_bytes"].value > 0
+    assert not [name for name in samples if name.endswith("_created")]
 
 
 def test_a_bundle_without_a_checkpoint_time_still_serves(run, tmp_path):
