@@ -15,10 +15,23 @@ def _fmt(x: float, digits: int = 4) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def _duration(seconds: float) -> str:
+    """`42 s`, `3 min 05 s`, `2 h 07 min`."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
 class Progress:
     def __init__(self, label: str, every_s: float = 1.0, stream: TextIO | None = None,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, total: int | None = None) -> None:
+        """`total`: the records this invocation will train when known (a file, a limit):
+        the line then shows the share done and an estimate of the time left."""
         self.label = label
+        self.total = total
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.every_s = every_s if self.tty else max(every_s, 10.0)
@@ -39,8 +52,13 @@ class Progress:
             return
         self._last = now
         rate = records / max(now - self.start, 1e-9)
-        line = (f"{self.label}: {records:,} records | {rate:,.0f} rec/s | {batches:,} batches | "
-                f"AUC {_fmt(auc)} | logloss {_fmt(logloss)} ({window})")
+        done = ""
+        if self.total:
+            share = min(records / self.total, 1.0)
+            left = (self.total - records) / rate if rate > 0 and records < self.total else 0.0
+            done = f" ({share:.0%}, {_duration(left)} left)"
+        line = (f"{self.label}: {records:,}{'' if not self.total else f' of {self.total:,}'} records{done} | "
+                f"{rate:,.0f} rec/s | {batches:,} batches | AUC {_fmt(auc)} | logloss {_fmt(logloss)} ({window})")
         if self.tty:
             self.stream.write("\r\033[K" + line)
             self._drawn = True

@@ -165,6 +165,12 @@ class FileInput:
     def wants_more(self, epoch: int) -> bool:
         return epoch < self.cfg.data.epochs and not self.at_damage and not self.empty
 
+    def records_left(self, epoch: int) -> int | None:
+        """Records (lines: a few may not decode) still to train in this and later passes."""
+        rank, world = self.stripe
+        lines = max(self.train_end - self._line, 0) + max(self.cfg.data.epochs - epoch - 1, 0) * self.train_end
+        return lines // world
+
     # -- a pass -------------------------------------------------------------------------
 
     def events(self, limit_records: int, stop: "StopSignal", dead_letter, monitor: "RunMonitor",
@@ -290,6 +296,10 @@ class KafkaInput:
 
     def wants_more(self, epoch: int) -> bool:
         return not self.ended
+
+    def records_left(self, epoch: int) -> int | None:
+        """Unknown: a stream has no end."""
+        return None
 
     def open(self) -> "KafkaSource":
         """The consumer (joining the group at the restored positions), opened once."""

@@ -215,6 +215,13 @@ class Run:
                   f"{self.trainer.precision} (train.precision={self.cfg.train.precision}); set "
                   f"train.precision={was} to keep it", file=sys.stderr)
 
+    def records_left(self) -> int | None:
+        """What this invocation will train, when known (a file's lines, or the limit)."""
+        left = self.input.records_left(self.epoch)
+        if self.remaining >= 0:
+            return self.remaining if left is None else min(left, self.remaining)
+        return left
+
     @property
     def limit_reached(self) -> bool:
         return self.remaining == 0
@@ -449,7 +456,7 @@ def _train(cfg: Config, resume: str | None, show_progress: bool) -> RunSummary:
     """`train` in a run directory this process owns (cfg.train.run_dir)."""
     run = Run(cfg, resume)
     start_note(run, show_progress)
-    progress = Progress("train", cfg.train.log_every_s, enabled=show_progress)
+    progress = Progress("train", cfg.train.log_every_s, enabled=show_progress, total=run.records_left())
     every = cfg.train.checkpoint_every_batches
     with StopSignal() as stop, run:
         while run.wants_more and not stop.requested:
