@@ -268,3 +268,13 @@ def test_a_resumed_run_says_where_it_goes_on(tmp_path, capsys):
     err = capsys.readouterr().err
     assert (f"resumed from {first.checkpoint} (step 5, 640 records trained) at line 640 of "
             "criteo_kaggle_sample_14493.tsv.gz") in err
+
+
+def test_a_large_batch_that_leaves_few_steps_says_so(tmp_path, capsys):
+    cfg = small_config(tmp_path, limit_records=2048)
+    cfg.data.batch_size, cfg.optim.scale_from_batch = 512, 128
+    train(cfg, show_progress=True)
+    err = capsys.readouterr().err
+    assert "note: batch 512 gives 4 steps over the 2,048 records to train; with under 100 steps" in err
+    train(small_config(tmp_path / "plain", limit_records=2048), show_progress=True)   # no rule: no note
+    assert "feature interactions" not in capsys.readouterr().err
