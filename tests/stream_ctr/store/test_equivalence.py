@@ -3,6 +3,7 @@ import torch
 
 from stream_ctr.train.checkpoint import load_checkpoint
 from stream_ctr.train.batches import LookAhead
+from stream_ctr.train.inputs import ready_events
 from stream_ctr.train.loop import configure_torch, train
 from stream_ctr.train.trainer import Trainer
 from tests.stream_ctr.store.helpers import (assert_same_rows, criteo_batches, lmdb_rows,
@@ -12,7 +13,8 @@ from tests.stream_ctr.store.helpers import (assert_same_rows, criteo_batches, lm
 def run_steps(cfg, batches, lookahead):
     configure_torch(cfg)
     trainer = Trainer(cfg, batches[0].n_fields, batches[0].n_dense)
-    probs = [trainer.train_step(b, nxt).probs for b, nxt in LookAhead(iter(batches), lookahead)]
+    events = ready_events(iter(batches), LookAhead() if lookahead else None)
+    probs = [trainer.train_step(e.batch, e.upcoming).probs for e in events]
     return trainer, torch.cat(probs)
 
 

@@ -9,6 +9,7 @@ from stream_ctr.store.embedding import init_rows
 from stream_ctr.store import tiered
 from stream_ctr.store.layout import COUNT, WRITE_GEN
 from stream_ctr.train.batches import LookAhead
+from stream_ctr.train.inputs import ready_events
 from stream_ctr.train.loop import configure_torch
 from stream_ctr.train.trainer import Trainer
 from tests.stream_ctr.store.helpers import criteo_batches, small_config, step, tiny_store, where
@@ -147,7 +148,7 @@ def test_ttl_training_with_tiny_tiers_is_bit_identical_to_one_big_cache(tmp_path
     def run(cfg):
         configure_torch(cfg)
         trainer = Trainer(cfg, batches[0].n_fields, batches[0].n_dense)
-        probs = [trainer.train_step(b, nxt).probs for b, nxt in LookAhead(iter(batches), True)]
+        probs = [trainer.train_step(e.batch, e.upcoming).probs for e in ready_events(iter(batches), LookAhead())]
         return trainer, torch.cat(probs)
 
     big, big_probs = run(small_config(tmp_path / "big", tiered=True, cache_batches=30, disk_bytes=256 << 20,
