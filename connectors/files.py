@@ -370,6 +370,22 @@ class RawChunk:
     n_lines: int
 
 
+@dataclasses.dataclass(frozen=True)
+class FilePosition:
+    """Where a pass over a file stands: `line`, the data-line offset of the next record
+    to train in file `file` (a basename: a file moved to another directory resumes).
+    A checkpoint stores it as `to_checkpoint()`: {"file:NAME": line}, {} at a pass's start."""
+    file: str
+    line: int = 0
+
+    def to_checkpoint(self) -> dict[str, int]:
+        return {f"file:{self.file}": self.line} if self.line else {}
+
+    @classmethod
+    def from_checkpoint(cls, positions: dict[str, int], file: str) -> "FilePosition":
+        return cls(file, int(positions.get(f"file:{file}", 0)))
+
+
 class FileSource:
     """Decoded chunks of one Criteo/Avazu file (plain or gzip), with resumable offsets.
 

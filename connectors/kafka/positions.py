@@ -54,6 +54,31 @@ def given_up_positions(positions: Positions) -> dict[str, Position]:
             if positions.get(name + GIVEN_UP)}
 
 
+@dataclass(frozen=True)
+class KafkaPositions:
+    """Where a Kafka source stands after everything trained: per partition ("topic/p")
+    the offset of the first message not fully trained and the rows of it already
+    trained (a packed message a batch boundary split); `given_up`: the partitions it no
+    longer owned when the snapshot was taken (a rebalance, a lost membership): where
+    it left them. A checkpoint stores it as `to_checkpoint()`, the flat dict above."""
+    partitions: dict[str, Position]
+    given_up: frozenset[str] = frozenset()
+
+    def to_checkpoint(self) -> Positions:
+        return to_positions(self.partitions, self.given_up)
+
+    @classmethod
+    def from_checkpoint(cls, positions: Positions) -> "KafkaPositions":
+        return cls(from_positions(positions), frozenset(given_up_positions(positions)))
+
+    def describe(self, most: int = 4) -> str:
+        """`offsets t/0 1,234, t/1 1,230`: the first partitions, for a person."""
+        names = sorted(self.partitions)
+        shown = ", ".join(f"{n} {self.partitions[n][0]:,}" for n in names[:most])
+        more = f" and {len(names) - most} more partitions" if len(names) > most else ""
+        return f"offsets {shown}{more}" if names else "the group's committed offsets"
+
+
 def commit_metadata(rows_done: int) -> str:
     return f"rows_done={rows_done}" if rows_done else ""
 

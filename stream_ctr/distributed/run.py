@@ -230,7 +230,8 @@ class Job:
         job_dir = jobs.job_dir(self.ckpt_root, self.job_seq)
         run.ckpt_dir = job_dir / jobs.rank_dir_name(self.ctx.rank)
         run.checkpoint(commit=False)
-        entry = jobs.rank_entry(Path(run.summary.checkpoint), job_dir, self.ctx.rank, run.input.snapshot(),
+        entry = jobs.rank_entry(Path(run.summary.checkpoint), job_dir, self.ctx.rank,
+                                run.input.snapshot().to_checkpoint(),
                                 run.total_before + run.summary.records_trained, run.trainer.step)
         entries: list = [None] * self.ctx.world_size
         with collective("gathering the ranks' checkpoints"):

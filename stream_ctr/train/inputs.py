@@ -11,10 +11,10 @@ only this contract, never the kind of source:
   iterator ends at the end of a pass (a file), when the stream goes idle for
   `kafka.stop_when_idle_s`, at the record limit, or on a stop signal.
 - `trained(batch)` after a batch trained; `snapshot()` the positions after
-  everything trained: what a checkpoint stores and what `restore` (a resume)
-  takes back. A position is the offset of the next record to train: a file's
-  data line (`file:NAME`), a partition's offset (`topic/p`; see
-  connectors/kafka/positions.py for packed messages and given-up partitions).
+  everything trained, typed per kind (`FilePosition`: the next data line of the
+  file; `KafkaPositions`: per partition the next offset, with packed messages
+  and given-up partitions, connectors/kafka/positions.py); a checkpoint stores
+  their `to_checkpoint()` dict and `restore` (a resume) takes it back.
 - `commit()` after a durable checkpoint (Kafka: the group's offsets; a file has
   none); `owned(batch)` drops rows a rebalance took after the batch was handed
   out; `end_pass(completed)` after the iterator ends.
@@ -39,9 +39,9 @@ import numpy as np
 
 from stream_ctr.config import Config, ConfigError
 from stream_ctr.connectors.batch import Batch, Positions, Rejected
-from stream_ctr.connectors.files import DamagedFile, FileSource, count_readable, detect_format
+from stream_ctr.connectors.files import DamagedFile, FilePosition, FileSource, count_readable, detect_format
 from stream_ctr.connectors.kafka.options import KafkaUrl
-from stream_ctr.connectors.kafka.positions import filter_partitions
+from stream_ctr.connectors.kafka.positions import KafkaPositions, filter_partitions
 from stream_ctr.connectors.read_ahead import ReadAhead, decode_threads
 from stream_ctr.train.batches import LookAhead, dead_letter_or_stop, micro_batches
 from stream_ctr.train.events import IDLE, Event, Idle, Ready, Revoked
@@ -153,7 +153,7 @@ class FileInput:
     def restore(self, positions: Positions, resume: str | None = None, saved: Config | None = None) -> None:
         """Start at a checkpoint's positions; refuse a holdout that would now train lines the
         run held out (`resume`, `saved`: the checkpoint and its config, for the message)."""
-        done = int(positions.get(self.key, 0))
+        done = FilePosition.from_checkpoint(positions, self.path.name).line
         if done > self.train_end:
             raise ConfigError(
                 f"--resume {resume}: the run already trained {self.path.name} up to line "
@@ -198,8 +198,8 @@ class FileInput:
     def trained(self, batch: Batch) -> None:
         self._line = batch.positions_after().get(self.key, self._line)
 
-    def snapshot(self) -> Positions:
-        return {self.key: self._line} if self._line else {}
+    def snapshot(self) -> FilePosition:
+        return FilePosition(self.path.name, self._line)
 
     def commit(self) -> None:
         """A file keeps no offsets but the checkpoint's."""
@@ -263,7 +263,7 @@ class KafkaInput:
         self.before_commit, self.wait_for_peers = before_commit, wait_for_peers
         self.source: KafkaSource | None = None
         self.ended = False
-        self._positions: Positions = {}
+        self._positions = KafkaPositions({})
         self._ready: list[Batch] = []           # full batches cut, not yet handed out
         self._look_ahead: LookAhead | None = None
         self._revoked: list[Revoked] = []       # events for the loop
@@ -272,7 +272,7 @@ class KafkaInput:
         self._said_waiting = False
 
     def restore(self, positions: Positions, resume: str | None = None, saved: Config | None = None) -> None:
-        self._positions = dict(positions)
+        self._positions = KafkaPositions.from_checkpoint(positions)
 
     # A rank waiting for its peers keeps polling (`poll_while_waiting`): a group rebalance
     # completes only when every member polls.
@@ -305,7 +305,7 @@ class KafkaInput:
         """The consumer (joining the group at the restored positions), opened once."""
         if self.source is None:
             from stream_ctr.connectors.kafka.source import KafkaSource
-            self.source = KafkaSource(self.url, positions=self._positions, on_revoke=self._on_revoke,
+            self.source = KafkaSource(self.url, positions=self._positions.to_checkpoint(), on_revoke=self._on_revoke,
                                       chunk_records=self.cfg.data.chunk_records,
                                       wait_for_peers=self.wait_for_peers, schema=declared_schema(self.cfg))
         return self.source
@@ -445,21 +445,20 @@ class KafkaInput:
 
     def trained(self, batch: Batch) -> None:
         # Packed messages may straddle batches: the source folds the trained rows.
-        self._positions = self.source.trained(batch)
+        self.source.trained(batch)
 
-    def snapshot(self) -> Positions:
-        return self.source.trained_positions if self.source is not None else dict(self._positions)
+    def snapshot(self) -> KafkaPositions:
+        if self.source is None:
+            return self._positions
+        return KafkaPositions.from_checkpoint(self.source.trained_positions)
 
     def commit(self) -> None:
         if self.source is not None:
-            self.source.commit(self.snapshot())
+            self.source.commit(self.snapshot().to_checkpoint())
 
-    def where(self, most: int = 4) -> str:
+    def where(self) -> str:
         """Where the next batch starts, for a person: the first partitions' offsets."""
-        offsets = {n: o for n, o in self.snapshot().items() if "#" not in n}
-        shown = ", ".join(f"{n} {o:,}" for n, o in sorted(offsets.items())[:most])
-        more = f" and {len(offsets) - most} more partitions" if len(offsets) > most else ""
-        return f"offsets {shown}{more}" if offsets else "the group's committed offsets"
+        return self.snapshot().describe()
 
     def end_pass(self, completed: bool, limit_reached: bool) -> bool:
         """A stream is never finished: it ends (idle), it never starts over."""

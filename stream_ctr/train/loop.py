@@ -308,7 +308,7 @@ class Run:
         """Write a durable checkpoint (this rank's, in a job); then commit its positions
         (Kafka: the group's offsets). A job's `Job.checkpoint` wraps this in its agreement."""
         t0 = time.perf_counter()
-        positions = self.input.snapshot()
+        positions = self.input.snapshot().to_checkpoint()
         # First: the dead letters up to here on disk (or acknowledged), and where the sink ends.
         dead_letter = self.dead_letter.mark(positions, self.epoch).as_dict()
         tensors = {"trainer": self.trainer.state_tensors(),
