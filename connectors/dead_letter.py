@@ -288,3 +288,9 @@ def start_mark(run_dir: Path, sink) -> DeadLetterMark:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return mark
+
+
+def rejection_note(counts: dict[str, int], top: int = 3) -> str:
+    """'missing:site 4,500, bad_json 2' for the most common dead-letter reasons."""
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+    return ", ".join(f"{reason} {n:,}" for reason, n in ranked)

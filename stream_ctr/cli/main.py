@@ -366,7 +366,8 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from stream_ctr.connectors.files import DamagedFile
-    from stream_ctr.train.loop import rejection_note, train
+    from stream_ctr.connectors.dead_letter import rejection_note
+    from stream_ctr.train.loop import train
     if args.scale is not None:
         raise ConfigError("--scale was removed: give the batch that trains with --batch-size and "
                           "the batch the configured rates are for with --scale-from BASE_BATCH "
@@ -445,7 +446,8 @@ def _auc(acc: dict) -> str:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from stream_ctr.distributed.job_checkpoint import load_any
-    from stream_ctr.train.loop import evaluate_checkpoint, rejection_note
+    from stream_ctr.connectors.dead_letter import rejection_note
+    from stream_ctr.train.loop import evaluate_checkpoint
     from stream_ctr.cli.schema import read_schema_file
     result = evaluate_checkpoint(load_any(args.checkpoint), args.checkpoint, args.source,
                                  args.start, args.stop, whole=args.all,

@@ -59,8 +59,8 @@ def add_serving_parsers(sub: argparse._SubParsersAction, add_common) -> None:
                        "gives AUC and logloss (the files carry labels).")
     q.add_argument("bundle", help="bundle directory (stream-ctr export)")
     q.add_argument("source", nargs="?", help="criteo:PATH, avazu:PATH, a path, json:PATH / csv:PATH "
-                   "(decoded with the bundle's schema), or criteo:sample / avazu:sample (default: the bundle's run's own source, and then only its "
-                   "held-out lines)")
+                   "(decoded with the bundle's schema), or criteo:sample / avazu:sample (default: "
+                   "the bundle's run's own source, and then only its held-out lines)")
     q.add_argument("--out", required=True, metavar="FILE", help="where the probabilities go "
                    "(.npy: float32 array; else text, one per line)")
     q.add_argument("--all", action="store_true", help="score every record of the source, also "
@@ -260,7 +260,7 @@ def held_out_lines(cfg: Config) -> dict | None:
     """The run's held-out lines ({"source", "start", "stop"}) if it held some out of a
     file that is still there; else None."""
     from stream_ctr.connectors.files import count_records, detect_format
-    from stream_ctr.train.loop import held_out_start
+    from stream_ctr.train.inputs import held_out_start
     if cfg.data.holdout_fraction <= 0 or "://" in cfg.data.source:
         return None
     try:

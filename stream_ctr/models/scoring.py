@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from stream_ctr.connectors.batch import Batch
+from stream_ctr.connectors.dead_letter import rejection_note
 from stream_ctr.connectors.errors import SourceError
 from stream_ctr.connectors.files import FileSource
 from stream_ctr.models.field_inputs import FieldRows, batch_keys, field_inputs
@@ -124,7 +125,6 @@ def no_records_error(path: str | Path, start: int, rejected: Counter[str]) -> So
     """What `eval` says when nothing from `start` on decoded."""
     why = ""
     if rejected:
-        top = ", ".join(f"{reason} {n:,}" for reason, n in sorted(rejected.items(), key=lambda kv: -kv[1])[:3])
-        why = (f": all {sum(rejected.values()):,} records there were rejected ({top}); "
+        why = (f": all {sum(rejected.values()):,} records there were rejected ({rejection_note(rejected)}); "
                "is it the layout and schema the run trained on?")
     return SourceError(f"no records to evaluate in {path} from offset {start}{why}")

@@ -258,7 +258,6 @@ class KafkaInput:
         the caller checkpoints when the `Revoked` event reaches it."""
         self.cfg, self.url = cfg, url
         self.fmt = declared_schema(cfg) or url.options.record_format
-        self.key = None
         self.batcher: StreamBatcher | OffsetOrderBatcher = new_stream_batcher(cfg, url, trained_records)
         self.before_commit, self.wait_for_peers = before_commit, wait_for_peers
         self.source: KafkaSource | None = None

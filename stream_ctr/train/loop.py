@@ -18,6 +18,7 @@ import torch
 from stream_ctr.connectors.batch import Batch, Positions
 from stream_ctr.connectors.files import EmptySource, SourceError, count_readable, detect_format
 from stream_ctr.train.heap import keep_heap
+from stream_ctr.connectors.dead_letter import rejection_note
 from stream_ctr.models.scoring import no_records_error, score_file
 from stream_ctr.train.checkpoint import CheckpointState, holds_checkpoint, load_checkpoint, save_checkpoint
 from stream_ctr.config import (Config, ConfigError, check_line_range, checkpoint_config, describe_optim,
@@ -537,12 +538,6 @@ def start_note(run: Run, show_progress: bool) -> None:
             print(few, file=sys.stderr, flush=True)
         print(f"model: {run.cfg.model.name} on {t.device}, {t.precision} matmuls "
               f"(train.precision={run.cfg.train.precision})", file=sys.stderr, flush=True)
-
-
-def rejection_note(counts: dict[str, int], top: int = 3) -> str:
-    """'missing:site 4,500, bad_json 2' for the most common dead-letter reasons."""
-    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
-    return ", ".join(f"{reason} {n:,}" for reason, n in ranked)
 
 
 def features(fmt) -> tuple:
