@@ -112,6 +112,15 @@ class OptimConfig:
     # of the late ones small (docs/large-batches.md).
     beta2_rule: str = "scaled"      # scaled | constant
     beta2_max_scale: float = 32.0
+    # Under the scaling rule with s > ramp_scale, the first ramp_samples samples train at
+    # sub-batches of ramp_scale x scale_from_batch (each batch split into that many rows
+    # per step, each step under the rule for that smaller batch); then every batch is one
+    # step. Interactions between ids start from a saddle (two near-zero vectors whose
+    # product has near-zero gradient): escaping it takes steps, not samples, and a pass of
+    # 55 steps at 128K never did (docs/large-batches.md). 0 = no ramp. A distributed job
+    # does not ramp: its ranks would have to agree on every sub-step.
+    ramp_samples: int = 1_048_576
+    ramp_scale: float = 8.0
     # The output bias starts at the log-odds of the first batch's click rate, so the
     # first predictions sit at the base rate rather than 0.5 (on a 2.6% CTR log the
     # mean prediction after one pass was 1.4-2.8x the CTR starting from 0).
@@ -128,6 +137,8 @@ class ResolvedOptim(OptimConfig):
     scale: float = 1.0              # s = batch_size / scale_from_batch (1 without a rule)
     clip_scale: float = 1.0         # threshold factor in mean-gradient units (1/batch: occurrence)
     count_lr_s: float = 1.0         # s of the per-row count rule (1: off)
+    ramp_batch: int = 0             # rows per step during the ramp (0: no ramp)
+    ramp_steps: int = 0             # the ramp's steps: ceil(ramp_samples / ramp_batch)
 
 
 @dataclass
@@ -300,14 +311,14 @@ def read_schema_file(path: str) -> str:
 
 # Optimizer rules a checkpoint written before them ran without: a resumed run keeps
 # training the way it started (a full checkpoint config names every field it had).
-_RULES_ADDED_IN_0_14 = {"beta2_rule": "constant", "rule_warmup_samples": 0}
+_RULES_ADDED_IN_0_14 = {"beta2_rule": "constant", "rule_warmup_samples": 0, "ramp_samples": 0}
 
 
 def checkpoint_config(raw: dict[str, Any], origin: str) -> "Config":
     """The Config a checkpoint (its state.json "config") ran with."""
     optim = raw.get("optim")
-    if isinstance(optim, dict) and "beta2_rule" not in optim:
-        raw = {**raw, "optim": {**optim, **_RULES_ADDED_IN_0_14}}
+    if isinstance(optim, dict):
+        raw = {**raw, "optim": {**_RULES_ADDED_IN_0_14, **optim}}
     return Config.from_dict(raw, origin=origin)
 
 
@@ -485,6 +496,8 @@ def validate(cfg: Config) -> Config:
         (o.l2_rule in ("scaled", "constant"),
          f"optim.l2_rule must be scaled or constant, got {o.l2_rule!r}"),
         (o.rule_warmup_samples >= 0, f"optim.rule_warmup_samples must be >= 0, got {o.rule_warmup_samples}"),
+        (o.ramp_samples >= 0, f"optim.ramp_samples must be >= 0 (0 = no ramp), got {o.ramp_samples}"),
+        (o.ramp_scale >= 1, f"optim.ramp_scale must be >= 1 (the ramp's sub-batch in base batches), got {o.ramp_scale}"),
         (o.beta2_rule in ("scaled", "constant"), f"optim.beta2_rule must be scaled or constant, got {o.beta2_rule!r}"),
         (o.beta2_max_scale >= 1, f"optim.beta2_max_scale must be >= 1, got {o.beta2_max_scale}"),
         (o.embed_lr_rule in ("constant", "count"),
@@ -570,17 +583,19 @@ def _check_field_widths(schema: str, embed_dim: int) -> None:
                               f"{(dim // embed_dim + 1) * embed_dim}, or change model.embed_dim")
 
 
-def resolve_optim(cfg: Config) -> ResolvedOptim:
-    """The optimizer settings a run uses for `cfg.data.batch_size`.
+def resolve_optim(cfg: Config, batch: int | None = None) -> ResolvedOptim:
+    """The optimizer settings a run uses for `batch` (default `cfg.data.batch_size`).
 
     Without optim.scale_from_batch they are the configured ones. With a base
     batch B0 and s = batch / B0 (docs/large-batches.md): lr_dense x sqrt(s) (CowClip's
     rule), l2 x s only with l2_rule = scaled, lr_embed per row by its count
     (embed_lr_rule), beta2 ** min(s, beta2_max_scale) with beta2_rule = scaled, and,
-    for s > 1, a warm-up of at least rule_warmup_samples. Paper check: Criteo base 1K
-    (lr 8e-4, l2 1e-5, l2_rule = scaled) at 128K gives lr 90.51e-4, l2 1.28e-3.
+    for s > 1, a warm-up of at least rule_warmup_samples; for s > ramp_scale, the ramp's
+    sub-batch and step count (`ramp_optim` gives the sub-steps' settings). Paper check:
+    Criteo base 1K (lr 8e-4, l2 1e-5, l2_rule = scaled) at 128K gives lr 90.51e-4, l2 1.28e-3.
     """
-    o, batch = cfg.optim, cfg.data.batch_size
+    o = cfg.optim
+    batch = cfg.data.batch_size if batch is None else batch
     s = batch / o.scale_from_batch if o.scale_from_batch > 0 else 1.0
     fields = {f.name: getattr(o, f.name) for f in dataclasses.fields(OptimConfig)}
     fields.update(lr_dense=o.lr_dense * math.sqrt(s), l2=o.l2 * s if o.l2_rule == "scaled" else o.l2)
@@ -588,10 +603,23 @@ def resolve_optim(cfg: Config) -> ResolvedOptim:
         fields.update(warmup_samples=max(o.warmup_samples, o.rule_warmup_samples))
         if o.beta2_rule == "scaled":
             fields.update(beta2=o.beta2 ** min(s, o.beta2_max_scale))
+    ramp_batch = int(round(o.ramp_scale * o.scale_from_batch)) if o.ramp_samples > 0 and s > o.ramp_scale else 0
     return ResolvedOptim(**fields, batch_size=batch, scale=s,
                          clip_scale=1.0 / batch if o.cowclip_units == "occurrence" else 1.0,
                          count_lr_s=(min(s, o.embed_lr_max_scale) if o.embed_lr_max_scale > 0 else s)
-                         if o.embed_lr_rule == "count" else 1.0)
+                         if o.embed_lr_rule == "count" else 1.0,
+                         ramp_batch=ramp_batch,
+                         ramp_steps=math.ceil(o.ramp_samples / ramp_batch) if ramp_batch else 0)
+
+
+def ramp_optim(cfg: Config, run: ResolvedOptim) -> ResolvedOptim | None:
+    """The settings of the ramp's sub-steps (the rule for `run.ramp_batch`, with the run's
+    warm-up, which spans samples whatever the step), or None without a ramp."""
+    if not run.ramp_batch:
+        return None
+    sub = resolve_optim(cfg, run.ramp_batch)
+    return dataclasses.replace(sub, warmup_samples=run.warmup_samples, ramp_batch=run.ramp_batch,
+                               ramp_steps=run.ramp_steps)
 
 
 def describe_optim(r: ResolvedOptim) -> str:
@@ -604,6 +632,9 @@ def describe_optim(r: ResolvedOptim) -> str:
     if r.scale_from_batch and r.scale > 1 and warm_steps < 4:
         # The scaled dense lr at full strength on a cold model was what broke 32K-128K.
         warm += " - under 4 steps at this batch: raise optim.rule_warmup_samples (docs/large-batches.md)"
+    if r.ramp_batch:
+        warm += (f", the first {r.ramp_samples:,} samples in sub-batches of {r.ramp_batch:,} "
+                 f"({r.ramp_steps:,} steps)")
     clip = (f"cowclip r={r.cowclip_r:g} zeta={r.cowclip_zeta:g} ({r.cowclip_units} units)"
             if r.cowclip else "no cowclip")
     return (f"optim: {rule}: lr_dense {r.lr_dense:.4g}, lr_embed {r.lr_embed:.4g}"

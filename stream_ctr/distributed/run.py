@@ -99,6 +99,13 @@ class Job:
             w, r = ctx.world_size, ctx.rank
             run.remaining = cfg.data.limit_records // w + (r < cfg.data.limit_records % w)
         self.store = ShardedEmbeddingStore(run.trainer.store, run.trainer.optim)
+        if run.trainer.ramp is not None:
+            # Every sub-step would be an exchange of rows all ranks must join, and a rank
+            # with a short or no batch would take fewer: a job trains each batch in one step.
+            run.trainer.ramp = None
+            if ctx.is_main:
+                print("stream-ctr: optim.ramp_samples is off in a distributed job (each batch is "
+                      "one step); docs/large-batches.md", file=sys.stderr)
         run.trainer.store = self.store
         self.merger = self._merger()
         run.summary = DistributedSummary(dead_letter_path=run.summary.dead_letter_path, world_size=ctx.world_size)

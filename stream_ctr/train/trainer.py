@@ -1,8 +1,9 @@
 """The model, its embedding store and both optimizers, with one method per phase.
 
-`train_step` is the whole training step (working set, gather, forward,
-mean BCE, backward, dense Adam with warm-up, CowClip + sparse Adam on the rows
-present). Its forward pass runs on the pre-update weights, so the scores it
+`train_step` trains one batch: one step (working set, gather, forward, mean
+BCE, backward, dense Adam with warm-up, CowClip + sparse Adam on the rows
+present), or during the scaling rule's ramp one such step per ramp_batch rows.
+Each step's forward pass runs on its pre-update weights, so the scores it
 returns are the prequential scores of the batch: no second forward needed.
 
 `predict` (the test set, `stream-ctr eval`) and the exported bundle use
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from stream_ctr.connectors.batch import Batch
-from stream_ctr.config import Config, resolve_optim
+from stream_ctr.config import Config, ResolvedOptim, ramp_optim, resolve_optim
 from stream_ctr.store.embedding import EmbeddingStore
 from stream_ctr.store import build_store
 from stream_ctr.models.networks import build_model
@@ -60,6 +61,25 @@ class StepResult:
     # what a publisher puts in the next delta, without a second unique of the batch's keys.
     keys: torch.Tensor | None = None
 
+    @staticmethod
+    def concat(parts: list["StepResult"]) -> "StepResult":
+        """One batch's result from its ramp sub-steps, in row order: the loss is the
+        row-weighted mean, skipped only when every sub-step was."""
+        rows = torch.tensor([len(p.probs) for p in parts], dtype=torch.float32, device=parts[0].loss.device)
+        ratio = [p for p in parts if p.clip_ratio_le is not None]
+        keys = [p.keys for p in parts if p.keys is not None]
+        return StepResult(
+            torch.cat([p.probs for p in parts]),
+            (torch.stack([p.loss.float() for p in parts]) * rows).sum() / rows.sum().clamp_min(1),
+            torch.stack([p.skipped for p in parts]).all(),
+            sum(p.rows_touched for p in parts),
+            sum(torch.as_tensor(p.rows_clipped) for p in parts), sum(torch.as_tensor(p.rows_at_floor) for p in parts),
+            {k: sum(p.phase_s.get(k, 0.0) for p in parts) for k in parts[0].phase_s},
+            sum(p.clip_ratio_le for p in ratio) if ratio else None,
+            sum(p.clip_ratio_sum for p in ratio) if ratio else None,
+            sum(p.clip_rows for p in parts),
+            torch.unique(torch.cat(keys)) if keys else None)
+
     def clip_ratio(self) -> tuple[np.ndarray, float, int] | None:
         """(cumulative counts per edge, sum of ratios, rows) on the host, or None."""
         if self.clip_ratio_le is None:
@@ -90,6 +110,8 @@ class Trainer:
         # The settings this batch size trains with (scaling rule applied); every
         # update reads these, never cfg.optim.
         self.optim = o = resolve_optim(cfg)
+        # The ramp's sub-step settings (None: no ramp; a distributed job turns it off).
+        self.ramp: ResolvedOptim | None = ramp_optim(cfg, o)
         self.dense_opt = torch.optim.Adam(self.model.parameters(), lr=o.lr_dense,
                                           betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
         self.l2_params = self.model.l2_parameters()
@@ -107,14 +129,20 @@ class Trainer:
         # records (DenseMerger.reduce_gradients). None: every replica steps on its own.
         self.reduce_dense_grads: Callable[[int], int] | None = None
 
+    def _step_optim(self, step: int) -> ResolvedOptim:
+        """The settings step `step` (1, 2, ...) trains with: the ramp's for its first steps."""
+        return self.ramp if self.ramp is not None and step <= self.ramp.ramp_steps else self.optim
+
     def _dense_step(self, step: int) -> None:
+        o = self._step_optim(step)
         for group in self.dense_opt.param_groups:
             group["lr"] = self.dense_lr(step)
+            group["betas"] = (o.beta1, o.beta2)
         self.dense_opt.step()
-        self._update_average()
+        self._update_average(o.batch_size)
 
     @torch.no_grad()
-    def _update_average(self) -> None:
+    def _update_average(self, batch_size: int) -> None:
         """Move the average toward the live weights after update t (1, 2, ...) by
         max(1 - exp(-batch / average_dense_samples), 1 / t): an exponential average
         whose horizon is a number of samples whatever the batch (at a batch >= the
@@ -128,7 +156,7 @@ class Trainer:
             return
         self.average_updates += 1
         t = self.average_updates
-        weight = max(1.0 - math.exp(-self.optim.batch_size / self.cfg.train.average_dense_samples),
+        weight = max(1.0 - math.exp(-batch_size / self.cfg.train.average_dense_samples),
                      1.0 / t)
         torch._foreach_lerp_(list(self.average_model.parameters()), list(self.model.parameters()), weight)
 
@@ -147,13 +175,22 @@ class Trainer:
         if self.reduce_dense_grads(0) > 0:
             self._dense_step(self.step + 1)
 
+    def samples_at(self, step: int) -> int:
+        """The samples `step` steps stand for: step x data.batch_size, the ramp's steps
+        counted at its sub-batch. A function of the step count alone (the job's, in a
+        job), so every replica, idle ones too, and a resumed run are at the same point."""
+        if self.ramp is None:
+            return step * self.optim.batch_size
+        ramp = min(step, self.ramp.ramp_steps)
+        return ramp * self.ramp.batch_size + (step - ramp) * self.optim.batch_size
+
     def dense_lr(self, step: int) -> float:
-        """Linear warm-up to lr_dense over optim.warmup_samples, then flat
-        (as in the CowClip paper, the ramp spans a number of samples whatever
-        the batch). Progress is step x data.batch_size, this step's batch included: the
-        job's step count, so every replica (idle ones too) is at the same point."""
-        warm = self.optim.warmup_samples
-        return self.optim.lr_dense * (min(1.0, step * self.optim.batch_size / warm) if warm > 0 else 1.0)
+        """Linear warm-up to the step's lr_dense over optim.warmup_samples, then flat
+        (as in the CowClip paper, the warm-up spans a number of samples whatever
+        the batch); progress is `samples_at(step)`, this step's batch included."""
+        o = self._step_optim(step)
+        warm = o.warmup_samples
+        return o.lr_dense * (min(1.0, self.samples_at(step) / warm) if warm > 0 else 1.0)
 
     def _init_bias(self, logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None) -> None:
         """Output bias <- the shift that makes the first batch's mean prediction its
@@ -227,7 +264,22 @@ class Trainer:
         return time.perf_counter()
 
     def train_step(self, batch: Batch, upcoming: Batch | None = None) -> StepResult:
-        """One step on `batch`; `upcoming` (the next batch, if known) is prefetched meanwhile."""
+        """Train `batch`: one step, or while the ramp lasts (optim.ramp_samples) one step
+        per ramp_batch rows, in order. `upcoming` (the next batch, if known) is
+        prefetched meanwhile."""
+        ramp = self.ramp
+        if ramp is None or self.step >= ramp.ramp_steps or len(batch) <= ramp.batch_size:
+            return self._step(batch, upcoming)
+        parts, start = [], 0
+        while start < len(batch):
+            # The rest of the batch is one step once the ramp is over.
+            stop = len(batch) if self.step >= ramp.ramp_steps else min(start + ramp.batch_size, len(batch))
+            parts.append(self._step(batch.slice(start, stop), upcoming if stop == len(batch) else None))
+            start = stop
+        return StepResult.concat(parts)
+
+    def _step(self, batch: Batch, upcoming: Batch | None) -> StepResult:
+        """One optimizer step on `batch`, with the settings of the step it is (`_step_optim`)."""
         t0 = time.perf_counter()
         b = len(batch)
         dense, labels = self._inputs(batch)
@@ -252,7 +304,7 @@ class Trainer:
         # Forward on the pre-update weights (these are the prequential scores), backward.
         logits = self._forward(rows, inverse, batch, dense)
         loss = self._loss(logits, labels, batch)
-        o = self.optim
+        o = self._step_optim(self.step + 1)
         reg = sum((p.square().sum() for p in self.l2_params.get("linear", [])), torch.zeros((), device=self.device)) * o.l2 \
             + sum((p.square().sum() for p in self.l2_params.get("cross", [])), torch.zeros((), device=self.device)) * o.cross_l2
         self.dense_opt.zero_grad(set_to_none=True)

@@ -99,6 +99,7 @@ def test_warmup_covers_the_same_samples_at_every_batch():
         cfg = _criteo_base(batch)
         cfg.optim.warmup_samples = 262_144
         cfg.optim.rule_warmup_samples = 0        # the rule's floor is tested on its own below
+        cfg.optim.ramp_samples = 0               # the ramp: tests/stream_ctr/train/test_ramp.py
         t = Trainer(cfg, n_fields=3, n_dense=2)
         lrs = []
         for samples in range(0, 400_000, 1024):     # the lr after `samples` trained ...
