@@ -58,7 +58,7 @@ def test_bad_toml_file(tmp_path):
 
 
 def _criteo_base(batch: int) -> Config:
-    # reference/cowclip.md 2.4 / 6.9: Criteo base at 1K: lr 8e-4, l2 1e-5, lr_embed 1e-4.
+    # The CowClip paper (docs/large-batches.md, "CowClip in brief"): Criteo base at 1K: lr 8e-4, l2 1e-5, lr_embed 1e-4.
     cfg = Config()
     cfg.optim.lr_dense, cfg.optim.l2, cfg.optim.lr_embed = 8e-4, 1e-5, 1e-4
     cfg.optim.scale_from_batch, cfg.data.batch_size = 1024, batch
@@ -66,7 +66,7 @@ def _criteo_base(batch: int) -> Config:
 
 
 def _paper(cfg):
-    """The paper's rule as published (reference/cowclip.md 2.4): L2 x s, one embedding lr."""
+    """The paper's rule as published (docs/large-batches.md, "CowClip in brief"): L2 x s, one embedding lr."""
     cfg.optim.l2_rule, cfg.optim.embed_lr_rule = "scaled", "constant"
     return cfg
 
