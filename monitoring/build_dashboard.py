@@ -9,6 +9,11 @@ expression against a real Prometheus scraping a real trainer.
 
 Grafana variables used in expressions: ``$job``, ``$rank`` (multi-value, All =
 ``.*``) and ``$__rate_interval``.
+
+A trainer that runs alone exports no rank label; the ranks of a distributed job
+carry ``rank="r"``. ``rank=~"$rank"`` matches both (All is ``.*``, which a missing
+label matches, as it does ``""``), and the per-rank legends read "trained" alone
+and "trained rank 1" in a job (`ranked`).
 """
 from __future__ import annotations
 
@@ -22,9 +27,18 @@ J = '{job=~"$job"}'                         # ... and every predict-server panel
 RI = "[$__rate_interval]"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 NONFINITE = '{job=~"$job", rank=~"$rank", reason="nonfinite"}'
+RANK = "{{ranked}}"                         # legend suffix: " rank r" in a job, nothing alone
+
+
+def ranked(expr: str) -> str:
+    """`expr` with a label ``ranked`` = " rank r" on series that carry rank="r" (a rank of a
+    distributed job) and none on those without (a trainer alone), for legends."""
+    return f'label_replace({expr}, "ranked", " rank $1", "rank", "(.+)")'
 
 
 def target(expr: str, legend: str, ref: str) -> dict:
+    if RANK in legend:
+        expr = ranked(expr)
     return {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": ref, "range": True}
 
 
@@ -56,8 +70,8 @@ def rows() -> list[tuple[str, list[dict]]]:
     return [
         ("Throughput", [
             panel("timeseries", "Records / s", [
-                (f"sum by (rank) (rate(stream_ctr_records_trained_total{S}{RI}))", "trained rank {{rank}}"),
-                (f"sum by (rank) (rate(stream_ctr_records_consumed_total{S}{RI}))", "consumed rank {{rank}}")],
+                (f"sum by (rank) (rate(stream_ctr_records_trained_total{S}{RI}))", "trained" + RANK),
+                (f"sum by (rank) (rate(stream_ctr_records_consumed_total{S}{RI}))", "consumed" + RANK)],
                 "short", description="Records trained and read from the source per second."),
             panel("stat", "Samples / s (trainer)", [
                 (f"sum(stream_ctr_samples_per_second{S})", "samples/s")], "short", w=4),
@@ -71,25 +85,25 @@ def rows() -> list[tuple[str, list[dict]]]:
                 (f"histogram_quantile(0.9, sum by (phase, le) "
                  f"(rate(stream_ctr_step_phase_seconds_bucket{S}{RI})))", "{{phase}}")], "s", w=12),
             panel("timeseries", "Batches / s", [
-                (f"sum by (rank) (rate(stream_ctr_batches_trained_total{S}{RI}))", "rank {{rank}}")],
+                (f"sum by (rank) (rate(stream_ctr_batches_trained_total{S}{RI}))", "batches" + RANK)],
                 "short", w=12),
         ]),
         ("Quality (prequential: scored before training)", [
             panel("timeseries", "AUC (sliding window)", [
-                (f"stream_ctr_prequential_auc{S}", "AUC rank {{rank}}"),
-                (f"stream_ctr_prequential_auc_baseline{S}", "baseline rank {{rank}}")], "none"),
+                (f"stream_ctr_prequential_auc{S}", "AUC" + RANK),
+                (f"stream_ctr_prequential_auc_baseline{S}", "baseline" + RANK)], "none"),
             panel("timeseries", "Logloss", [
-                (f"stream_ctr_prequential_logloss{S}", "window rank {{rank}}"),
+                (f"stream_ctr_prequential_logloss{S}", "window" + RANK),
                 (f"sum by (rank) (rate(stream_ctr_prequential_logloss_nats_total{S}[5m])) / "
-                 f"sum by (rank) (rate(stream_ctr_prequential_records_total{S}[5m]))", "5m rank {{rank}}")],
+                 f"sum by (rank) (rate(stream_ctr_prequential_records_total{S}[5m]))", "5m" + RANK)],
                 "none"),
             panel("timeseries", "Calibration (predicted / observed CTR)", [
-                (f"stream_ctr_prequential_calibration{S}", "window rank {{rank}}"),
+                (f"stream_ctr_prequential_calibration{S}", "window" + RANK),
                 (f"sum by (rank) (rate(stream_ctr_prequential_predicted_clicks_total{S}[5m])) / "
-                 f"sum by (rank) (rate(stream_ctr_prequential_clicks_total{S}[5m]))", "5m rank {{rank}}")],
+                 f"sum by (rank) (rate(stream_ctr_prequential_clicks_total{S}[5m]))", "5m" + RANK)],
                 "none"),
             panel("timeseries", "Normalized entropy (logloss / base-rate logloss; < 1 beats the base rate)", [
-                (f"stream_ctr_prequential_normalized_entropy{S}", "window rank {{rank}}")], "none", w=16),
+                (f"stream_ctr_prequential_normalized_entropy{S}", "window" + RANK)], "none", w=16),
             panel("stat", "Records in the AUC window", [
                 (f"sum(stream_ctr_prequential_window_records{S})", "records")], "short", w=4),
             panel("stat", "Passes completed (>= 1: the window re-reads trained rows)", [
@@ -100,7 +114,7 @@ def rows() -> list[tuple[str, list[dict]]]:
                 (f"sum by (partition) (stream_ctr_consumer_lag_records{S})", "{{partition}}")], "short",
                 w=12, description="Records in each partition after the last trained one."),
             panel("timeseries", "Event-time freshness", [
-                (f"stream_ctr_event_freshness_seconds{S}", "rank {{rank}}")], "s", w=8,
+                (f"stream_ctr_event_freshness_seconds{S}", "freshness" + RANK)], "s", w=8,
                 description="Now minus the event time of the newest trained record."),
             panel("stat", "Newest trained event time", [
                 (f"max(stream_ctr_last_trained_event_timestamp_seconds{S}) * 1000", "event time")],
@@ -142,7 +156,7 @@ def rows() -> list[tuple[str, list[dict]]]:
                 "short", w=6),
             panel("timeseries", "Step waiting for tier I/O (s per s)", [
                 (f"sum by (rank) (rate(stream_ctr_embedding_prefetch_wait_seconds_total{S}{RI}))",
-                 "rank {{rank}}")], "percentunit", w=6,
+                 "waiting" + RANK)], "percentunit", w=6,
                 description="Share of wall time the step waited for rows from RAM/LMDB; "
                 "growing with a large disk share asks for more RAM."),
             panel("timeseries", "CowClip: share of present rows clipped", [
@@ -162,19 +176,19 @@ def rows() -> list[tuple[str, list[dict]]]:
             panel("stat", "Last checkpoint age", [
                 (f"max(stream_ctr_last_checkpoint_age_seconds{S})", "age")], "s", w=6),
             panel("timeseries", "Checkpoint size", [
-                (f"stream_ctr_last_checkpoint_bytes{S}", "rank {{rank}}")], "bytes", w=3),
+                (f"stream_ctr_last_checkpoint_bytes{S}", "size" + RANK)], "bytes", w=3),
             panel("timeseries", "Checkpoints per hour", [
-                (f"sum by (rank) (increase(stream_ctr_checkpoints_total{S}[1h]))", "rank {{rank}}")],
+                (f"sum by (rank) (increase(stream_ctr_checkpoints_total{S}[1h]))", "checkpoints" + RANK)],
                 "short", w=3),
             panel("timeseries", "k-step merges / s", [
-                (f"sum by (rank) (rate(stream_ctr_merges_total{S}{RI}))", "rank {{rank}}")], "short", w=3),
+                (f"sum by (rank) (rate(stream_ctr_merges_total{S}{RI}))", "merges" + RANK)], "short", w=3),
             panel("timeseries", "Since the last merge", [
-                (f"stream_ctr_last_merge_age_seconds{S}", "rank {{rank}}")], "s", w=3,
+                (f"stream_ctr_last_merge_age_seconds{S}", "age" + RANK)], "s", w=3,
                 description="Seconds since this rank's last k-step merge; empty on a single-rank run."),
             panel("timeseries", "Merge traffic", [
-                (f"sum by (rank) (rate(stream_ctr_merge_bytes_total{S}{RI}))", "rank {{rank}}")], "Bps", w=3),
+                (f"sum by (rank) (rate(stream_ctr_merge_bytes_total{S}{RI}))", "traffic" + RANK)], "Bps", w=3),
             panel("timeseries", "Last merge size", [
-                (f"stream_ctr_last_merge_bytes{S}", "rank {{rank}}")], "bytes", w=3,
+                (f"stream_ctr_last_merge_bytes{S}", "size" + RANK)], "bytes", w=3,
                 description="Bytes this rank sent in its last k-step merge; empty on a single-rank run."),
         ]),
         ("Errors and process", [
@@ -185,11 +199,11 @@ def rows() -> list[tuple[str, list[dict]]]:
                 "short", w=6),
             panel("timeseries", "Skipped batches (NaN/inf loss), last hour", [
                 (f"sum by (rank) (increase(stream_ctr_batches_skipped_total{NONFINITE}[1h]))",
-                 "rank {{rank}}")], "short", w=6),
+                 "skipped" + RANK)], "short", w=6),
             panel("timeseries", "Memory", [
                 ('process_resident_memory_bytes{job=~"$job"}', "RSS {{instance}}"),
-                (f"stream_ctr_process_peak_resident_memory_bytes{S}", "peak RSS rank {{rank}}"),
-                (f"stream_ctr_gpu_memory_allocated_bytes{S}", "GPU rank {{rank}}")], "bytes", w=6),
+                (f"stream_ctr_process_peak_resident_memory_bytes{S}", "peak RSS" + RANK),
+                (f"stream_ctr_gpu_memory_allocated_bytes{S}", "GPU" + RANK)], "bytes", w=6),
             panel("stat", "Targets up", [('sum(up{job=~"$job"})', "up")], "short", w=3),
             panel("stat", "Uptime", [(f"max(time() - stream_ctr_start_time_seconds{S})", "uptime")],
                   "s", w=3),
@@ -197,8 +211,8 @@ def rows() -> list[tuple[str, list[dict]]]:
                                                "{{version}} torch {{torch}}")], "short", w=6),
             panel("timeseries", "Up: scrape, broker connection, backpressure", [
                 ('up{job=~"$job"}', "scraped {{instance}}"),
-                (f"stream_ctr_source_connected{S}", "broker connected rank {{rank}}"),
-                (f"stream_ctr_source_paused{S}", "fetch paused rank {{rank}}")], "short", w=12, h=6,
+                (f"stream_ctr_source_connected{S}", "broker connected" + RANK),
+                (f"stream_ctr_source_paused{S}", "fetch paused" + RANK)], "short", w=12, h=6,
                 minmax=(0, 1)),
             panel("timeseries", "CPU (cores busy)", [
                 (f'sum by (instance) (rate(process_cpu_seconds_total{{job=~"$job"}}{RI}))', "{{instance}}")],
@@ -249,8 +263,8 @@ def build() -> dict:
 # Marks on every time series: a trainer (re)start (a new process start time) and each
 # checkpoint, so a dip or a jump can be read against them.
 ANNOTATIONS = [
-    {"name": name, "datasource": DS, "enable": True, "iconColor": color, "expr": expr,
-     "step": "60s", "titleFormat": title, "textFormat": "rank {{rank}} on {{instance}}",
+    {"name": name, "datasource": DS, "enable": True, "iconColor": color, "expr": ranked(expr),
+     "step": "60s", "titleFormat": title, "textFormat": "{{instance}}" + RANK,
      "useValueForTime": False}
     for name, color, expr, title in (
         ("Trainer starts", "red", 'changes(stream_ctr_start_time_seconds{job=~"$job", rank=~"$rank"}[2m]) > 0',

@@ -2,11 +2,14 @@
 
 Names follow ``stream_ctr_<subsystem>_<name>_<unit>``: base units (seconds,
 bytes), counters end in ``_total``, and label names come from the fixed set
-``rank, partition, tier, reason, phase``. `CATALOGUE` is the single list of
-metric names; `monitoring/` (dashboard, alerts) may use only names from
-`exported_names()`, which a test checks. This module holds data only: the
-objects that update the metrics (`stream_ctr.telemetry.metrics`) and read
-them at scrape time (`stream_ctr.telemetry.collectors`) both import it.
+``rank, partition, tier, reason, phase``. ``rank`` tells the ranks of a
+distributed job apart; a trainer that runs alone exports every series without
+it (`stream_ctr.telemetry.collectors.label_names`), as the predict server does.
+`CATALOGUE` is the single list of metric names; `monitoring/` (dashboard,
+alerts) may use only names from `exported_names()`, which a test checks. This
+module holds data only: the objects that update the metrics
+(`stream_ctr.telemetry.metrics`) and read them at scrape time
+(`stream_ctr.telemetry.collectors`) both import it.
 """
 from __future__ import annotations
 

@@ -40,19 +40,39 @@ from stream_ctr.telemetry.catalogue import SPECS, NAMESPACE, MetricSpec
 TIER_KEYS = ("rows", "bytes", "capacity_bytes", "lookups", "hits", "evictions")
 
 
-def family(short: str) -> CounterMetricFamily | GaugeMetricFamily:
-    """An empty family for ``stream_ctr_<short>`` with its catalogue labels and help."""
+def label_names(s: MetricSpec, ranked: bool) -> tuple[str, ...]:
+    """The labels a trainer exports `s` with: the catalogue's, less ``rank`` in a single
+    process (only the ranks of a distributed job are told apart by a rank label)."""
+    return s.labels if ranked else tuple(name for name in s.labels if name != "rank")
+
+
+def family(short: str, ranked: bool = True) -> CounterMetricFamily | GaugeMetricFamily:
+    """An empty family for ``stream_ctr_<short>`` with its catalogue labels (without
+    ``rank`` unless `ranked`) and help."""
     s: MetricSpec = SPECS[f"{NAMESPACE}_{short}"]
     cls = {"counter": CounterMetricFamily, "histogram": HistogramMetricFamily}.get(s.kind, GaugeMetricFamily)
-    return cls(s.name, s.help, labels=list(s.labels))
+    return cls(s.name, s.help, labels=list(label_names(s, ranked)))
 
 
-def _families(shorts: tuple[str, ...]) -> Iterator[Metric]:
-    for short in shorts:
-        yield family(short)
+class _Ranked(Collector):
+    """A collector for one trainer process: `rank` is its rank in a job of several, or
+    None (a single process: no rank label). `r` is the rank's label values to start a
+    sample's labels with ([] or [rank])."""
+
+    SHORTS: tuple[str, ...] = ()
+
+    def __init__(self, rank: str | None) -> None:
+        self.rank = rank
+        self.r: list[str] = [] if rank is None else [rank]
+
+    def families(self) -> dict[str, Metric]:
+        return {s: family(s, self.rank is not None) for s in self.SHORTS}
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self.families().values())
 
 
-class StoreCollector(Collector):
+class StoreCollector(_Ranked):
     """Embedding rows / bytes / lookups / hits / evictions per tier (see module doc)."""
 
     SHORTS = ("embedding_rows", "embedding_bytes", "embedding_capacity_bytes",
@@ -60,8 +80,8 @@ class StoreCollector(Collector):
               "embedding_admissions_rejected_total", "embedding_expired_total",
               "embedding_evictions_by_reason_total", "embedding_prefetch_wait_seconds_total")
 
-    def __init__(self, rank: str) -> None:
-        self.rank = rank
+    def __init__(self, rank: str | None) -> None:
+        super().__init__(rank)
         self.store: object | None = None
         # Fallback bookkeeping for stores without metrics_snapshot().
         self._lookups = 0
@@ -97,12 +117,9 @@ class StoreCollector(Collector):
     def tier_stats(self) -> dict[str, dict[str, Any]]:
         return dict(self.snapshot().get("tiers", {}))
 
-    def describe(self) -> Iterator[Metric]:
-        return _families(self.SHORTS)
-
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot()
-        fams = {s: family(s) for s in self.SHORTS}
+        fams = self.families()
         per_tier = {"rows": "embedding_rows", "bytes": "embedding_bytes",
                     "capacity_bytes": "embedding_capacity_bytes", "lookups": "embedding_lookups_total",
                     "hits": "embedding_hits_total", "evictions": "embedding_evictions_total"}
@@ -110,15 +127,15 @@ class StoreCollector(Collector):
             for key, short in per_tier.items():
                 value = stats.get(key)
                 if value is not None and not (key == "capacity_bytes" and value <= 0):
-                    fams[short].add_metric([self.rank, tier], float(value))
+                    fams[short].add_metric([*self.r, tier], float(value))
         for key in ("admissions_rejected", "expired"):
             if snap.get(key) is not None:
-                fams[f"embedding_{key}_total"].add_metric([self.rank], float(snap[key]))
+                fams[f"embedding_{key}_total"].add_metric(self.r, float(snap[key]))
         for reason, n in snap.get("evictions_by_reason", {}).items():
-            fams["embedding_evictions_by_reason_total"].add_metric([self.rank, reason], float(n))
+            fams["embedding_evictions_by_reason_total"].add_metric([*self.r, reason], float(n))
         if snap.get("prefetch_wait_seconds") is not None:
             fams["embedding_prefetch_wait_seconds_total"].add_metric(
-                [self.rank], float(snap["prefetch_wait_seconds"]))
+                self.r, float(snap["prefetch_wait_seconds"]))
         return iter(fams.values())
 
 
@@ -128,14 +145,14 @@ def _kafka_stats_snapshot(stats: Any) -> dict[str, Any]:
             "connected": stats.connected, "paused": stats.paused, "rebalances": stats.rebalances}
 
 
-class SourceCollector(Collector):
+class SourceCollector(_Ranked):
     """Consumer lag per partition, source errors by reason, connection and group state."""
 
     SHORTS = ("consumer_lag_records", "source_errors_total", "source_connected", "source_paused",
               "source_rebalances_total")
 
-    def __init__(self, rank: str) -> None:
-        self.rank = rank
+    def __init__(self, rank: str | None) -> None:
+        super().__init__(rank)
         self.lag_fn: Callable[[], Mapping[str, float]] | None = None
         self.source: object | None = None
 
@@ -155,24 +172,21 @@ class SourceCollector(Collector):
             out.update(self.lag_fn() or {})
         return out
 
-    def describe(self) -> Iterator[Metric]:
-        return _families(self.SHORTS)
-
     def collect(self) -> Iterator[Metric]:
-        fams = {s: family(s) for s in self.SHORTS}
+        fams = self.families()
         for partition, n in sorted(self.lag().items()):
-            fams["consumer_lag_records"].add_metric([self.rank, str(partition)], float(n))
+            fams["consumer_lag_records"].add_metric([*self.r, str(partition)], float(n))
         snap = self._snapshot()
         for reason, n in sorted((snap.get("errors", {}) or {}).items()):
-            fams["source_errors_total"].add_metric([self.rank, str(reason)], float(n))
+            fams["source_errors_total"].add_metric([*self.r, str(reason)], float(n))
         for key, short in (("connected", "source_connected"), ("paused", "source_paused"),
                            ("rebalances", "source_rebalances_total")):
             if snap.get(key) is not None:
-                fams[short].add_metric([self.rank], float(snap[key]))
+                fams[short].add_metric(self.r, float(snap[key]))
         return iter(fams.values())
 
 
-class RunCollector(Collector):
+class RunCollector(_Ranked):
     """Ages computed at scrape time and the prequential window's run totals."""
 
     SHORTS = ("event_freshness_seconds", "last_checkpoint_age_seconds", "last_merge_age_seconds",
@@ -185,17 +199,15 @@ class RunCollector(Collector):
                ("total_label_sum", "prequential_clicks_total"))
 
     def __init__(self, owner: Any) -> None:   # the TrainerMetrics that registers it
+        super().__init__(owner.rank)
         self.owner = owner
         self.window: object | None = None
         self.baseline: dict[str, float] = {}     # the window's totals when watching began
 
-    def describe(self) -> Iterator[Metric]:
-        return _families(self.SHORTS)
-
     def collect(self) -> Iterator[Metric]:
-        m, r = self.owner, [self.owner.rank]
+        m, r = self.owner, self.r
         now = m.clock()
-        fams = {s: family(s) for s in self.SHORTS}
+        fams = self.families()
         if m.newest_event_s is not None:
             fams["event_freshness_seconds"].add_metric(r, now - m.newest_event_s)
         since = m.last_checkpoint_s if m.last_checkpoint_s is not None else m.started_s
@@ -223,21 +235,15 @@ def _rss_bytes() -> tuple[float | None, float]:
         return None, float(peak)
 
 
-class ProcessCollector(Collector):
+class ProcessCollector(_Ranked):
     """What prometheus_client's standard process collector lacks: peak RSS, and torch's
-    CUDA memory on a GPU (with the rank label)."""
+    CUDA memory on a GPU (with the rank label in a job of several ranks)."""
 
     SHORTS = ("process_peak_resident_memory_bytes", "gpu_memory_allocated_bytes")
 
-    def __init__(self, rank: str) -> None:
-        self.rank = rank
-
-    def describe(self) -> Iterator[Metric]:
-        return _families(self.SHORTS)
-
     def collect(self) -> Iterator[Metric]:
-        r = [self.rank]
-        fams = {s: family(s) for s in self.SHORTS}
+        r = self.r
+        fams = self.families()
         _, peak = _rss_bytes()
         fams["process_peak_resident_memory_bytes"].add_metric(r, peak)
         torch = sys.modules.get("torch")      # never import torch (or start CUDA) from a scrape

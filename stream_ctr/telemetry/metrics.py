@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import platform
 import sys
+import threading
 import time
 from collections import Counter as _Tally
 from typing import Any, Callable, Iterable, Mapping
@@ -26,16 +27,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from stream_ctr.ops.cowclip_adam import CLIP_RATIO_EDGES
 from stream_ctr.telemetry import collectors as mc
-from stream_ctr.telemetry.catalogue import (CATALOGUE, MetricSpec, NAMESPACE, PHASES, PHASE_BUCKETS_S, RATE_STALE_S, SKIP_NONFINITE)
+from stream_ctr.telemetry.catalogue import (MetricSpec, NAMESPACE, PHASES, PHASE_BUCKETS_S, RATE_STALE_S, SKIP_NONFINITE,
+                                            SPECS)
 
 
-def _make(s: MetricSpec, registry: CollectorRegistry) -> Any:
+def _make(s: MetricSpec, registry: CollectorRegistry, ranked: bool) -> Any:
     name = s.name[:-len("_total")] if s.kind == "counter" else s.name
+    labels = mc.label_names(s, ranked)
     if s.kind == "counter":
-        return Counter(name, s.help, s.labels, registry=registry)
+        return Counter(name, s.help, labels, registry=registry)
     if s.kind == "gauge":
-        return Gauge(name, s.help, s.labels, registry=registry)
-    return Histogram(name, s.help, s.labels, registry=registry, buckets=PHASE_BUCKETS_S)
+        return Gauge(name, s.help, labels, registry=registry)
+    return Histogram(name, s.help, labels, registry=registry, buckets=PHASE_BUCKETS_S)
 
 
 class TrainerMetrics:
@@ -46,13 +49,19 @@ class TrainerMetrics:
     per merge `observe_merge`. `watch_*` register scrape-time collectors for
     values other components own. `snapshot()` is what the run-directory time
     series records.
+
+    `rank` is the process's rank in a job of several (every series then carries
+    ``rank="r"``); None, a single process, exports the series without a rank label.
     """
 
-    def __init__(self, registry: CollectorRegistry, rank: int = 0,
+    def __init__(self, registry: CollectorRegistry, rank: int | None = None,
                  clock: Callable[[], float] = time.time,
                  reasons: Iterable[str] = (), auc_baseline: float = 0.0) -> None:
-        self.registry, self.rank, self.clock = registry, str(rank), clock
-        self._m = {s.name: _make(s, registry) for s in CATALOGUE if s.name in _DIRECT}
+        self.registry, self.clock = registry, clock
+        self.rank = None if rank is None else str(rank)
+        self._rank_label = {} if rank is None else {"rank": self.rank}
+        self._m: dict[str, Any] = {}        # made at first use (see _metric)
+        self._making = threading.Lock()       # the reading and the training thread both report
         self.started_s = clock()
         self.last_checkpoint_s: float | None = None
         self.last_merge_s: float | None = None
@@ -75,29 +84,43 @@ class TrainerMetrics:
         prometheus_client.ProcessCollector(registry=registry)
         self._init_series(reasons, auc_baseline)
 
-    def _metric(self, short: str) -> Any:
-        return self._m[f"{NAMESPACE}_{short}"]
+    def _metric(self, short: str, **labels: str) -> Any:
+        """The series of ``stream_ctr_<short>`` with these labels (and this process's rank).
+
+        A metric is registered at its first use: one without labels (a single process's
+        gauge) is exported from its creation, so one that is absent until set
+        (prequential_auc before a window, last_merge_timestamp_seconds before a merge)
+        must not exist before."""
+        name = f"{NAMESPACE}_{short}"
+        metric = self._m.get(name)
+        if metric is None:
+            assert name in _DIRECT, name
+            with self._making:
+                metric = self._m.get(name)
+                if metric is None:
+                    metric = self._m[name] = _make(SPECS[name], self.registry, self.rank is not None)
+        labels = {**self._rank_label, **labels}
+        return metric.labels(**labels) if labels else metric
 
     def _init_series(self, reasons: Iterable[str], auc_baseline: float) -> None:
         """Create every fixed-label child at 0, so panels and alerts see 0, not nothing."""
-        r = self.rank
         for short in ("records_trained_total", "batches_trained_total", "embedding_rows_clipped_total",
                       "checkpoints_total", "merges_total", "merge_bytes_total"):
-            self._metric(short).labels(rank=r)
-        self._metric("batches_skipped_total").labels(rank=r, reason=SKIP_NONFINITE)
+            self._metric(short)
+        self._metric("batches_skipped_total", reason=SKIP_NONFINITE)
         for reason in reasons:
-            self._metric("records_rejected_total").labels(rank=r, reason=reason)
+            self._metric("records_rejected_total", reason=reason)
         for phase in PHASES:
-            self._metric("step_phase_seconds").labels(rank=r, phase=phase)
+            self._metric("step_phase_seconds", phase=phase)
         # Read at scrape time: a trainer that stops (a hang, an idle stream) must not keep
         # showing its last rate.
-        self._metric("samples_per_second").labels(rank=r).set_function(self.current_samples_per_s)
-        self._metric("start_time_seconds").labels(rank=r).set(self.started_s)
-        self._metric("epochs_completed").labels(rank=r).set(0)
-        self._metric("build_info").labels(rank=r, version=_version(), torch=_torch_version(),
-                                          python=platform.python_version()).set(1)
+        self._metric("samples_per_second").set_function(self.current_samples_per_s)
+        self._metric("start_time_seconds").set(self.started_s)
+        self._metric("epochs_completed").set(0)
+        self._metric("build_info", version=_version(), torch=_torch_version(),
+                     python=platform.python_version()).set(1)
         if auc_baseline > 0:
-            self._metric("prequential_auc_baseline").labels(rank=r).set(auc_baseline)
+            self._metric("prequential_auc_baseline").set(auc_baseline)
 
     # -- providers read at scrape time ---------------------------------------------------
 
@@ -126,15 +149,14 @@ class TrainerMetrics:
     def observe_read(self, partitions: tuple[str, ...], partition_index: np.ndarray,
                      rejected: list | None = None, seconds: float = 0.0) -> None:
         """One chunk read from the source: decoded rows' partition indices, rejected records."""
-        consumed = self._metric("records_consumed_total")
         if len(partition_index):
             counts = np.bincount(partition_index, minlength=len(partitions))
             for name, n in zip(partitions, counts.tolist()):
                 if n:
-                    consumed.labels(rank=self.rank, partition=name).inc(n)
+                    self._metric("records_consumed_total", partition=name).inc(n)
         if rejected:
             for name, n in _Tally(r.partition for r in rejected).items():
-                consumed.labels(rank=self.rank, partition=name).inc(n)
+                self._metric("records_consumed_total", partition=name).inc(n)
             self.observe_rejected(_Tally(r.reason for r in rejected))
         if seconds:
             self.observe_phase("decode", seconds)
@@ -142,11 +164,11 @@ class TrainerMetrics:
     def observe_rejected(self, counts: Mapping[str, int]) -> None:
         """Rejected records by reason (they went to the dead-letter sink)."""
         for reason, n in counts.items():
-            self._metric("records_rejected_total").labels(rank=self.rank, reason=reason).inc(n)
+            self._metric("records_rejected_total", reason=reason).inc(n)
             self.rejected += n
 
     def observe_phase(self, phase: str, seconds: float) -> None:
-        self._metric("step_phase_seconds").labels(rank=self.rank, phase=phase).observe(seconds)
+        self._metric("step_phase_seconds", phase=phase).observe(seconds)
         self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
 
     def observe_batch(self, n_records: int, skipped: bool, phase_s: Mapping[str, float],
@@ -157,15 +179,14 @@ class TrainerMetrics:
         timings, CowClip's clipped rows, its event times, the window accuracy after
         it, its working-set size (unique keys), and CowClip's ratio histogram
         (cumulative counts per edge, sum of ratios, rows) when it clipped."""
-        r = self.rank
-        self._metric("batches_trained_total").labels(rank=r).inc()
+        self._metric("batches_trained_total").inc()
         if skipped:
-            self._metric("batches_skipped_total").labels(rank=r, reason=SKIP_NONFINITE).inc()
+            self._metric("batches_skipped_total", reason=SKIP_NONFINITE).inc()
             self.skipped_batches += 1
-        self._metric("records_trained_total").labels(rank=r).inc(n_records)
+        self._metric("records_trained_total").inc(n_records)
         self.records_trained += n_records
         if rows_clipped:
-            self._metric("embedding_rows_clipped_total").labels(rank=r).inc(rows_clipped)
+            self._metric("embedding_rows_clipped_total").inc(rows_clipped)
         if clip_ratio is not None:
             self.clip_ratio.add(*clip_ratio)
         for phase, seconds in phase_s.items():
@@ -174,7 +195,7 @@ class TrainerMetrics:
             newest = int(event_time_ms.max())
             if newest >= 0:
                 self.newest_event_s = max(self.newest_event_s or 0.0, newest / 1000.0)
-                self._metric("last_trained_event_timestamp_seconds").labels(rank=r).set(self.newest_event_s)
+                self._metric("last_trained_event_timestamp_seconds").set(self.newest_event_s)
         if accuracy is not None:
             self.observe_accuracy(accuracy)
         self._store.after_batch(rows_touched)
@@ -183,7 +204,7 @@ class TrainerMetrics:
     def observe_epoch(self, completed: int, another_pass: bool = True) -> None:
         """Passes over a file source completed: from 1 on, the window scores rows seen
         before. The time series' `epoch` moves only when `another_pass` begins."""
-        self._metric("epochs_completed").labels(rank=self.rank).set(completed)
+        self._metric("epochs_completed").set(completed)
         if another_pass:
             self.epoch = completed
 
@@ -196,7 +217,7 @@ class TrainerMetrics:
                            ("records", "prequential_window_records")):
             value = acc.get(key)
             if value is not None and np.isfinite(value):
-                self._metric(short).labels(rank=self.rank).set(value)
+                self._metric(short).set(value)
 
     def _update_rate(self) -> None:
         now = self.clock()
@@ -219,25 +240,23 @@ class TrainerMetrics:
         counts from then, not from the process start (a trainer that keeps crashing
         before it checkpoints must still trip the checkpoint-age alert)."""
         self.last_checkpoint_s = saved_at_s
-        self._metric("last_checkpoint_timestamp_seconds").labels(rank=self.rank).set(saved_at_s)
+        self._metric("last_checkpoint_timestamp_seconds").set(saved_at_s)
 
     def observe_checkpoint(self, seconds: float, nbytes: int = 0) -> None:
         """A checkpoint became durable after `seconds`; it holds `nbytes` on disk."""
-        r = self.rank
         self.last_checkpoint_s = self.clock()
-        self._metric("checkpoints_total").labels(rank=r).inc()
-        self._metric("last_checkpoint_timestamp_seconds").labels(rank=r).set(self.last_checkpoint_s)
-        self._metric("last_checkpoint_bytes").labels(rank=r).set(nbytes)
+        self._metric("checkpoints_total").inc()
+        self._metric("last_checkpoint_timestamp_seconds").set(self.last_checkpoint_s)
+        self._metric("last_checkpoint_bytes").set(nbytes)
         self.observe_phase("checkpoint", seconds)
 
     def observe_merge(self, seconds: float, nbytes: int) -> None:
         """A k-step merge of the dense replicas finished; this rank sent/received `nbytes`."""
-        r = self.rank
         self.last_merge_s = self.clock()
-        self._metric("merges_total").labels(rank=r).inc()
-        self._metric("merge_bytes_total").labels(rank=r).inc(nbytes)
-        self._metric("last_merge_timestamp_seconds").labels(rank=r).set(self.last_merge_s)
-        self._metric("last_merge_bytes").labels(rank=r).set(nbytes)
+        self._metric("merges_total").inc()
+        self._metric("merge_bytes_total").inc(nbytes)
+        self._metric("last_merge_timestamp_seconds").set(self.last_merge_s)
+        self._metric("last_merge_bytes").set(nbytes)
         self.observe_phase("merge", seconds)
 
     # -- for the run-directory time series -----------------------------------------------

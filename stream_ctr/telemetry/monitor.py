@@ -23,13 +23,20 @@ def process_rank() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
 
 
+def metrics_rank() -> int | None:
+    """The rank label of this process's metrics: its rank in a job of several
+    (torchrun's WORLD_SIZE > 1), or None when it trains alone (no rank label)."""
+    return process_rank()[0] if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None
+
+
 def _dir_bytes(path: str | Path) -> int:
     p = Path(path)
     return sum(f.stat().st_size for f in p.iterdir() if f.is_file()) if p.is_dir() else 0
 
 
 class RunMonitor:
-    """Metrics (served on `metrics.port` + local rank when it is not 0) and the time series."""
+    """Metrics (served on `metrics.port` + local rank when it is not 0; labelled with the
+    rank only in a job of several ranks) and the time series."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, records_before: int = 0,
                  registry: CollectorRegistry | None = None) -> None:
@@ -37,7 +44,7 @@ class RunMonitor:
         self.rank, local_rank = process_rank()
         m = cfg.metrics
         self.registry = registry or CollectorRegistry()
-        self.metrics = TrainerMetrics(self.registry, self.rank, reasons=REASONS[1:],
+        self.metrics = TrainerMetrics(self.registry, metrics_rank(), reasons=REASONS[1:],
                                       auc_baseline=m.auc_baseline)
         self.server = MetricsServer(self.registry, m.port + local_rank, m.addr) if m.port else None
         self.series = (TimeSeriesLog(timeseries_path(run_dir, self.rank), m.timeseries_every_s,

@@ -82,6 +82,37 @@ def test_dashboard_structure():
         assert all(t["expr"].strip() for t in p["targets"])
 
 
+def test_dashboard_legends_name_the_rank_only_in_a_distributed_job(tmp_path, promtool):
+    """A trainer alone exports no rank label, a distributed job's ranks rank="r": the
+    per-rank expressions (and the restart marks) select both, and their legend label
+    `ranked` reads " rank r" for a rank and is absent for a trainer alone."""
+    exprs = [t["expr"] for p in dashboard_panels(DASHBOARD) for t in p["targets"]
+             if t["legendFormat"] == "trained{{ranked}}"]
+    mark = next(m for m in json.loads(DASHBOARD.read_text())["annotations"]["list"]
+                if m["name"] == "Checkpoints")
+    assert len(exprs) == 1 and mark["textFormat"] == "{{instance}}{{ranked}}"
+    test = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [
+            {"series": 'stream_ctr_records_trained_total{job="j", instance="alone:9420"}', "values": "0+60x10"},
+            {"series": 'stream_ctr_records_trained_total{job="j", instance="n:9421", rank="1"}', "values": "0+120x10"},
+            {"series": 'stream_ctr_checkpoints_total{job="j", instance="alone:9420"}', "values": "0 0 0 0 1 1 1"},
+            {"series": 'stream_ctr_checkpoints_total{job="j", instance="n:9421", rank="1"}', "values": "0 0 0 0 1 1 1"}],
+        "promql_expr_test": [
+            {"expr": exprs[0].replace("$__rate_interval", "5m").replace("$job", ".*").replace("$rank", ".*"),
+             "eval_time": "8m",
+             "exp_samples": [{"labels": "{}", "value": 1.0},
+                             {"labels": '{rank="1", ranked=" rank 1"}', "value": 2.0}]},
+            {"expr": mark["expr"].replace("$job", ".*").replace("$rank", ".*"), "eval_time": "4m",
+             "exp_samples": [{"labels": '{job="j", instance="alone:9420"}', "value": 1.0},
+                             {"labels": '{job="j", instance="n:9421", rank="1", ranked=" rank 1"}',
+                              "value": 1.0}]}]}]}
+    (tmp_path / "legends_test.yml").write_text(yaml.safe_dump(test))
+    r = subprocess.run([promtool, "test", "rules", "legends_test.yml"], cwd=tmp_path,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+
 def test_alert_rules_cover_the_required_cases():
     rules = alert_rules(ALERTS)
     assert REQUIRED_ALERTS <= {r["alert"] for r in rules}

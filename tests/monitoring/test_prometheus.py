@@ -146,7 +146,15 @@ def check_against_prometheus(prom, may_be_empty: set[str], job: str = "stream_ct
 
     for selector in dashboard_variable_selectors(DASHBOARD):
         series = prom.api("series", **{"match[]": grafana_to_promql(selector)})
-        assert series and all(s["job"] == job and s["rank"] == "0" for s in series), selector
+        assert series and all(s["job"] == job for s in series), selector
+    # A trainer alone: no series of its own carries a rank label (a distributed job's do).
+    ranked = prom.query('count by (__name__) ({__name__=~"stream_ctr_.+", rank!=""})')
+    assert not ranked, [r["metric"] for r in ranked]
+    # The per-rank legends' label (`ranked` in build_dashboard.py) is absent too: "trained",
+    # not "trained rank ".
+    legend = prom.query(grafana_to_promql(next(
+        t["expr"] for p in dashboard_panels(DASHBOARD) for t in p["targets"] if "{{ranked}}" in t["legendFormat"])))
+    assert legend and all("ranked" not in r["metric"] for r in legend), legend
 
 
 def test_dashboard_and_alerts_against_real_prometheus_and_trainer(tmp_path, prometheus_server, promtool):
@@ -154,7 +162,7 @@ def test_dashboard_and_alerts_against_real_prometheus_and_trainer(tmp_path, prom
     trainer = start_trainer(tmp_path, port)
     try:
         text = wait_for_endpoint(trainer, port)
-        assert 'stream_ctr_records_trained_total{rank="0"}' in text
+        assert "\nstream_ctr_records_trained_total " in text      # alone: no rank label
         prom = prometheus_server({"stream_ctr": [f"127.0.0.1:{port}"]}, rule_files=[ALERTS])
         r = subprocess.run([promtool, "check", "config", str(prom.config)], capture_output=True, text=True)
         assert r.returncode == 0, r.stdout + r.stderr

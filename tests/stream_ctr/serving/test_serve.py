@@ -147,6 +147,8 @@ def test_healthz_and_metrics(run, served):
     assert samples["stream_ctr_serving_build_info"].labels["version"] == __version__
     assert samples["process_resident_memory_bytes"].value > 0
     assert not [name for name in samples if name.endswith("_created")]
+    # one process, as a trainer alone: no series carries a rank label
+    assert not [s.name for f in families.values() for s in f.samples if "rank" in s.labels]
 
 
 def test_a_bundle_without_a_checkpoint_time_still_serves(run, tmp_path):

@@ -34,7 +34,8 @@ def reg() -> CollectorRegistry:
 
 
 def value(reg: CollectorRegistry, name: str, **labels: str) -> float | None:
-    return reg.get_sample_value(name, {"rank": "0", **labels})
+    """A sample of a single-process trainer's metrics (no rank label)."""
+    return reg.get_sample_value(name, labels)
 
 
 def rejected(reason: str, n: int, partition: str = "file:x") -> list[Rejected]:
@@ -52,7 +53,7 @@ def test_catalogue_follows_the_naming_rules():
 
 
 def test_three_bad_records_count_three_by_reason(reg):
-    m = TrainerMetrics(reg, rank=0, reasons=("bad_label", "bad_integer"))
+    m = TrainerMetrics(reg, reasons=("bad_label", "bad_integer"))
     assert value(reg, "stream_ctr_records_rejected_total", reason="bad_integer") == 0
     m.observe_read(("file:x",), np.zeros(5, np.int32), rejected("bad_label", 3))
     assert value(reg, "stream_ctr_records_rejected_total", reason="bad_label") == 3
@@ -336,7 +337,7 @@ def test_scrape_is_clean_per_the_client_guide(reg):
     """What Prometheus reads: no _created series, a build_info, NE, the standard process
     families; no counter named like a histogram's _sum."""
     from stream_ctr import __version__
-    m = TrainerMetrics(reg, rank=0)
+    m = TrainerMetrics(reg)
     m.observe_batch(64, False, {"update": 0.01}, 1, None,
                     {"auc": 0.7, "logloss": 0.4, "calibration": 1.0, "records": 64, "ne": 0.85}, 10)
     m.observe_read(("p",), np.zeros(2, np.int32), rejected("bad_label", 1, "p"), 0.1)
@@ -357,9 +358,12 @@ class SourceStub:
         return {"errors": {"disconnect": 1}, "connected": True, "paused": False, "rebalances": 2}
 
 
-def test_every_sample_is_in_the_catalogue_and_the_global_registry_is_untouched(reg):
+@pytest.mark.parametrize("rank", [None, 1])
+def test_every_sample_is_in_the_catalogue_and_the_global_registry_is_untouched(reg, rank):
+    """Every series of a trainer, the scrape-time collectors' too, carries rank="r" in a
+    job of several ranks and no rank label at all in a single process."""
     clock = Clock()
-    m = TrainerMetrics(reg, rank=1, clock=clock, reasons=("bad_label",), auc_baseline=0.6)
+    m = TrainerMetrics(reg, rank=rank, clock=clock, reasons=("bad_label",), auc_baseline=0.6)
     m.watch_store(TieredStoreStub())
     m.watch_window(PrequentialWindow(8))
     m.watch_source(lag=lambda: {"p": 1}, source=SourceStub())
@@ -373,8 +377,14 @@ def test_every_sample_is_in_the_catalogue_and_the_global_registry_is_untouched(r
     assert names <= exported_names(), sorted(names - exported_names())
     missing = {s.name for s in CATALOGUE if not set(s.series_names) & names}
     assert missing <= {"stream_ctr_gpu_memory_allocated_bytes"}, missing   # CUDA only
-    assert all(s.labels["rank"] == "1" for fam in reg.collect() for s in fam.samples
-               if not fam.name.startswith("process_"))     # the standard collector has no rank
+    ours = [(fam.name, s) for fam in reg.collect() for s in fam.samples
+            if not fam.name.startswith("process_")]        # the standard collector has no rank
+    specs = {spec.name.removesuffix("_total"): spec for spec in CATALOGUE}
+    for name, sample in ours:
+        want = set(specs[name].labels) - ({"rank"} if rank is None else set())
+        assert set(sample.labels) - {"le"} == want, (name, sample.labels)
+        if rank is not None:
+            assert sample.labels["rank"] == "1", (name, sample.labels)
     assert not any(n.startswith("stream_ctr") for n in REGISTRY._names_to_collectors)
 
 
@@ -393,7 +403,7 @@ def test_server_serves_on_loopback_and_refuses_a_busy_port(reg):
     try:
         assert server.addr == "127.0.0.1" and server.port == port
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        assert 'stream_ctr_records_trained_total{rank="0"} 11.0' in text
+        assert "stream_ctr_records_trained_total 11.0" in text
         with pytest.raises(ConfigError, match="metrics.port"):
             MetricsServer(CollectorRegistry(), port)
     finally:

@@ -56,12 +56,37 @@ def test_three_bad_records_reach_rejected_total_through_the_loop(tmp_path):
     with FileSource(path, fmt, chunk_records=64) as source, DeadLetterFile(tmp_path / "dl.jsonl") as dl:
         rows = sum(len(b) for b in micro_batches(source, 32, dl, monitor=monitor))
     assert rows == 196
-    assert reg.get_sample_value("stream_ctr_records_rejected_total", {"rank": "0", "reason": "bad_label"}) == 3
-    assert reg.get_sample_value("stream_ctr_records_rejected_total", {"rank": "0", "reason": "field_count"}) == 1
+    assert reg.get_sample_value("stream_ctr_records_rejected_total", {"reason": "bad_label"}) == 3
+    assert reg.get_sample_value("stream_ctr_records_rejected_total", {"reason": "field_count"}) == 1
     assert reg.get_sample_value("stream_ctr_records_consumed_total",
-                                {"rank": "0", "partition": "file:criteo_bad.tsv"}) == 200
-    assert reg.get_sample_value("stream_ctr_step_phase_seconds_count", {"rank": "0", "phase": "decode"}) == 4
+                                {"partition": "file:criteo_bad.tsv"}) == 200
+    assert reg.get_sample_value("stream_ctr_step_phase_seconds_count", {"phase": "decode"}) == 4
     monitor.close()
+
+
+@pytest.mark.parametrize("world, rank, labels", [
+    (None, None, {}),                      # trained alone: no rank label on any series
+    ("1", "0", {}),                        # torchrun with one process: alone too
+    ("2", "1", {"rank": "1"}),             # a rank of a job of two: rank="1"
+])
+def test_a_rank_label_only_in_a_job_of_several_ranks(tmp_path, monkeypatch, world, rank, labels):
+    for name, v in (("WORLD_SIZE", world), ("RANK", rank), ("LOCAL_RANK", rank)):
+        if v is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, v)
+    reg = CollectorRegistry()
+    monitor = RunMonitor(small_config(tmp_path), tmp_path / "run", registry=reg)
+    try:
+        monitor.metrics.observe_batch(5, False, {"update": 0.01})
+        assert reg.get_sample_value("stream_ctr_records_trained_total", labels) == 5
+        assert reg.get_sample_value("stream_ctr_last_checkpoint_age_seconds", labels) >= 0
+        assert reg.get_sample_value("stream_ctr_step_phase_seconds_count", {**labels, "phase": "update"}) == 1
+        ranked = {s.labels.get("rank") for fam in reg.collect() for s in fam.samples
+                  if fam.name.startswith("stream_ctr_")}
+        assert ranked == {labels.get("rank")}
+    finally:
+        monitor.close()
 
 
 def test_a_run_writes_its_time_series(tmp_path):
