@@ -7,7 +7,7 @@ from typing import Callable
 
 from stream_ctr.cli.output import emit
 from stream_ctr.config import ConfigError, load_config, validate
-from stream_ctr.resources import example_config_text, export_monitoring
+from stream_ctr.resources import example_config_text, export_monitoring, runbook_url_ok
 
 
 def add_resource_parsers(sub: argparse._SubParsersAction,
@@ -19,6 +19,10 @@ def add_resource_parsers(sub: argparse._SubParsersAction,
                                       "alerts_test.yml and grafana/ (dashboard JSON and provisioning) "
                                       "into DIR, e.g. to mount into Prometheus and Grafana.")
     exp.add_argument("directory", help="where to write them (created if missing)")
+    exp.add_argument("--runbook-url", metavar="URL",
+                     help="where the runbook page (RUNBOOK.md) is served, e.g. your Git host's or "
+                          "wiki's page: each alert's runbook_url is URL#<alert name> (default: "
+                          "file:// of DIRECTORY/RUNBOOK.md, a link on this machine only)")
     exp.add_argument("--force", action="store_true", help="overwrite files that exist")
     add_common(exp)
     exp.set_defaults(func=cmd_monitoring_export)
@@ -34,10 +38,16 @@ def add_resource_parsers(sub: argparse._SubParsersAction,
 
 
 def cmd_monitoring_export(args: argparse.Namespace) -> int:
-    written = export_monitoring(args.directory, overwrite=args.force)
-    emit(args, {"directory": str(args.directory), "files": [str(p) for p in written]},
+    runbook = args.runbook_url or (Path(args.directory) / "RUNBOOK.md").resolve().as_uri()
+    why = runbook_url_ok(runbook)
+    if why is not None:
+        raise ConfigError(f"--runbook-url {runbook}: {why}")
+    written = export_monitoring(args.directory, overwrite=args.force, runbook_url=runbook)
+    emit(args, {"directory": str(args.directory), "files": [str(p) for p in written],
+                "runbook_url": runbook},
          f"wrote {len(written)} monitoring files to {args.directory} "
-         f"(prometheus --config.file={Path(args.directory) / 'prometheus.yml'})")
+         f"(prometheus --config.file={Path(args.directory) / 'prometheus.yml'}); the alerts link "
+         f"the runbook at {runbook}")
     return 0
 
 

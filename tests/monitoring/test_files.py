@@ -155,14 +155,20 @@ def test_shipped_scrape_config_targets_the_job_the_alerts_use():
 
 
 def test_every_alert_links_its_runbook_section():
+    """An absolute URL on the one documented placeholder (`monitoring export --runbook-url`
+    replaces it), the anchor of the alert's own section of RUNBOOK.md."""
     import yaml
+    from stream_ctr.resources import RUNBOOK_LINKING, RUNBOOK_PLACEHOLDER
     rules = [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
     runbook = (MON / "RUNBOOK.md").read_text()
     sections = {line[3:].strip().lower() for line in runbook.splitlines() if line.startswith("## ")}
     for rule in rules:
         url = rule["annotations"]["runbook_url"]
-        assert url == f"monitoring/RUNBOOK.md#{rule['alert'].lower()}", rule["alert"]
+        assert url == f"{RUNBOOK_PLACEHOLDER}#{rule['alert'].lower()}", rule["alert"]
         assert rule["alert"].lower() in sections, rule["alert"]
+    # Every file that links the runbook is one the export rewrites.
+    linking = {p.name for p in MON.rglob("*") if p.is_file() and "RUNBOOK.md#" in p.read_text(errors="replace")}
+    assert linking == set(RUNBOOK_LINKING)
 
 
 def test_compose_file_wires_the_shipped_files():

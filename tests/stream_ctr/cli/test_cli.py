@@ -157,6 +157,46 @@ def test_monitoring_export_writes_every_shipped_file_and_keeps_edited_ones(tmp_p
     assert "edited" not in (tmp_path / "mon/alerts.yml").read_text()
 
 
+def test_monitoring_export_links_the_runbook_where_it_is_served(tmp_path, promtool):
+    """Every alert's runbook_url is an absolute URL: the exported RUNBOOK.md's file:// URL
+    by default, or --runbook-url's page, plus the alert's section; the exported promtool
+    tests pass with either."""
+    import yaml
+    from stream_ctr.resources import RUNBOOK_PLACEHOLDER
+
+    def links(directory):
+        rules = [r for g in yaml.safe_load((directory / "alerts.yml").read_text())["groups"]
+                 for r in g["rules"]]
+        return {r["alert"]: r["annotations"]["runbook_url"] for r in rules}
+
+    here = tmp_path / "here"
+    out = run("monitoring", "export", str(here), "--json")
+    assert out.returncode == 0, out.stderr
+    page = (here / "RUNBOOK.md").resolve().as_uri()
+    assert json.loads(out.stdout)["runbook_url"] == page and page.startswith("file:///")
+    sections = {line[3:].strip() for line in (here / "RUNBOOK.md").read_text().splitlines()
+                if line.startswith("## ")}
+    for alert, url in links(here).items():
+        assert url == f"{page}#{alert.lower()}" and alert in sections, (alert, url)
+
+    hosted = tmp_path / "hosted"
+    wiki = "https://git.example.com/ops/stream_ctr/-/blob/main/RUNBOOK.md"
+    out = run("monitoring", "export", str(hosted), "--runbook-url", wiki)
+    assert out.returncode == 0 and wiki in out.stdout, out.stderr
+    assert all(url == f"{wiki}#{alert.lower()}" for alert, url in links(hosted).items())
+    for directory in (here, hosted):
+        assert RUNBOOK_PLACEHOLDER + "#" not in (directory / "alerts_test.yml").read_text()
+        r = subprocess.run([promtool, "test", "rules", "alerts_test.yml"], cwd=directory,
+                           capture_output=True, text=True)
+        assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+    for bad in ("docs/RUNBOOK.md", "https://wiki.example.com/runbook#top", 'https://x.example/"a"'):
+        refused = run("monitoring", "export", str(tmp_path / "bad"), "--runbook-url", bad)
+        assert refused.returncode == 2 and "--runbook-url" in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "bad").exists()
+
+
 def test_config_example_loads_and_trains_as_printed(tmp_path):
     from stream_ctr.config import load_config, validate
     out = run("config", "example", "-o", str(tmp_path / "c.toml"))
