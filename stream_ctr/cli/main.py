@@ -11,6 +11,7 @@ warning naming the file) when the source holds no records.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import os
 import sys
@@ -46,8 +47,8 @@ EPILOG = """examples:
   stream-ctr bench serve bundle                     # predict server: p50/p99 at 1 rec/request, records/s at 256
 
 options can also come from a TOML file (--config, or $STREAM_CTR_CONFIG) and from
---set section.name=value (sections: data, model, optim, train, metrics, kafka,
-distributed, serving)."""
+--set section.name=value; the config's sections (stream_ctr/config.py, in its order):
+""" + ", ".join(f.name for f in dataclasses.fields(Config))
 
 
 def _env(name: str, default: Any = None) -> Any:

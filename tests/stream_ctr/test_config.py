@@ -191,3 +191,28 @@ def test_resolved_kernel_factors():
     cfg.optim.cowclip_units, cfg.optim.embed_lr_rule = "mean", "constant"
     r = resolve_optim(cfg)
     assert r.clip_scale == 1.0 and r.count_lr_s == 1.0
+
+
+def test_config_sections_are_listed_in_the_config_trees_order():
+    """`stream-ctr --help`, docs/configuration.md (its sentence and its table) and the
+    example config name the sections of Config, all of them, in its field order."""
+    import dataclasses
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from stream_ctr.cli.main import build_parser
+    from stream_ctr.resources import example_config_text
+
+    sections = [f.name for f in dataclasses.fields(Config)]
+    assert sections[:4] == ["data", "model", "optim", "train"] and "kafka" in sections
+    help_line = build_parser().epilog.rstrip().splitlines()[-1]
+    assert help_line.split(", ") == sections
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    sentence = re.search(r"sections (`\w+`(?:,\s+`\w+`)*),\s+and a\s+`\[schema\]` table", page)
+    assert sentence and re.findall(r"`(\w+)`", sentence.group(1)) == sections
+    table = page.split("\n## Sections\n", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^\| `(\w+)` \|", table, flags=re.M) == sections
+    example = example_config_text()
+    assert re.findall(r"^\[(\w+)\]", example, flags=re.M) == sections
+    assert list(tomllib.loads(example)) == sections
