@@ -535,11 +535,14 @@ def _check_whole(schema: Schema, origin: str) -> None:
 
 # ------------------------------------------------------------------ writing
 
-def schema_to_toml(schema: Schema, comments: dict[str, str] | None = None) -> str:
+def schema_to_toml(schema: Schema, comments: dict[str, str] | None = None,
+                   explicit: frozenset[str] = frozenset()) -> str:
     """The schema as TOML that `parse_schema` reads back to an equal Schema.
 
     `comments` (field name -> text) are written as ``#`` lines above each
     field's table: `stream-ctr schema infer` explains its guesses there.
+    An option at its default is left out, unless named in `explicit` (`schema
+    infer` writes each list's inferred ``max_len``, 50 included, to be edited).
     """
     comments = comments or {}
     out = ["[schema]", f"encoding = {_toml_value(schema.encoding)}"]
@@ -564,7 +567,7 @@ def schema_to_toml(schema: Schema, comments: dict[str, str] | None = None) -> st
             value = getattr(f, spec.name)
             if spec.name == "path" and value == f.name:
                 continue
-            if value == spec.default and spec.name != "path":
+            if value == spec.default and spec.name != "path" and spec.name not in explicit:
                 continue
             out.append(f"{spec.name} = {_toml_value(value)}")
     for c in schema.crosses:

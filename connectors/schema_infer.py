@@ -109,7 +109,9 @@ def format_inferred(schema: Schema, comments: dict[str, str], source: str, n_rec
             f"of {source}.\n"
             "# Each comment says why a field got its kind; edit freely (connectors/schema.py documents\n"
             "# the language), then train with --schema THIS_FILE.\n")
-    return head + schema_to_toml(schema, comments)
+    # max_len is what the sample showed, written even at the parser's default (50): the
+    # comment above the field says where it came from, and it is the line to edit.
+    return head + schema_to_toml(schema, comments, explicit=frozenset({"max_len"}))
 
 
 def _json_leaves(lines: list[bytes]) -> tuple[dict[str, _Leaf], int, dict]:

@@ -94,6 +94,25 @@ def test_lists_of_scalars_are_multi_hot_and_lists_of_objects_ignored(tmp_path):
     assert isinstance(kinds["objs"], IgnoreField)
 
 
+def test_schema_infer_writes_each_lists_max_len_even_at_the_default(tmp_path):
+    """`stream-ctr schema infer` writes `max_len = N` (the longest list sampled) for every
+    multi-hot field, 50 (the parser's default) included: the line to edit is there."""
+    import tomllib
+    from stream_ctr.cli.main import main
+    from stream_ctr.connectors.schema import parse_schema
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join(json.dumps({"y": i % 2, "a": f"x{i % 5}", "tags": [f"t{i % 9}"] * (i % 4),
+                                           "hist": list(range(i % 51))}) for i in range(120)))
+    out = tmp_path / "schema.toml"
+    assert main(["schema", "infer", f"json:{path}", "--out", str(out), "--quiet"]) == 0
+    text = out.read_text()
+    fields = tomllib.loads(text)["schema"]["fields"]
+    assert fields["hist"]["kind"] == "multi_hot" and fields["hist"]["max_len"] == 50
+    assert fields["tags"]["kind"] == "multi_hot" and fields["tags"]["max_len"] == 3
+    assert "keeps its first 50" in text and "keeps its first 3" in text     # the comments say why
+    assert parse_schema(text, "s.toml") == infer_schema(path, "json")[0]   # reads back the same
+
+
 def test_lists_of_whole_floats_are_keyed_as_integers(tmp_path):
     path = tmp_path / "log.jsonl"
     path.write_text("\n".join(json.dumps({"y": i % 2, "a": f"x{i % 5}", "hist": [float(i % 7), 3.0],
