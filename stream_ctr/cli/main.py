@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any
 
-from stream_ctr.cli.output import LOG_LEVELS, emit, set_log_level
+from stream_ctr.cli.output import LOG_LEVELS, auc_text, emit, set_log_level
 from stream_ctr.config import Config, ConfigError, load_config, set_option
 
 EPILOG = """examples:
@@ -424,25 +424,17 @@ def cmd_train(args: argparse.Namespace) -> int:
             if e.summary is None:
                 raise
             s, damaged = e.summary, e
-    test = (f"; test {_auc(s.test)} logloss {s.test['logloss']:.4f} "
+    test = (f"; test {auc_text(s.test)} logloss {s.test['logloss']:.4f} "
             f"on {s.test['records']:,} held-out records") if s.test else ""
     rejected = (f"{s.records_rejected:,} rejected: {rejection_note(s.rejected_by_reason)}; see "
                 f"{s.dead_letter_path}") if s.records_rejected else "0 rejected"
-    scores = f"no records in {s.empty_source}" if s.empty_source else f"prequential {_auc(s.window)}"
+    scores = f"no records in {s.empty_source}" if s.empty_source else f"prequential {auc_text(s.window)}"
     emit(args, s.as_dict(),
          f"trained {s.records_trained:,} records ({rejected}) in "
          f"{s.seconds:.1f} s, {s.samples_per_s:,.0f} samples/s; {scores}{test}; checkpoint {s.checkpoint}")
     if damaged is not None:
         raise damaged
     return EXIT_EMPTY if s.empty_source else 0
-
-
-def _auc(acc: dict) -> str:
-    """'AUC 0.7812', or why there is none: no records, or one class only (AUC undefined)."""
-    auc = acc.get("auc", float("nan"))
-    if auc == auc:
-        return f"AUC {auc:.4f}"
-    return "AUC undefined (one class only)" if acc.get("records") else "AUC undefined (no records)"
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -456,8 +448,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     skipped = (f"; {result['rejected']:,} records did not decode and were not scored "
                f"({rejection_note(result['rejected_by_reason'])})") if result["rejected"] else ""
     calibration = (f"{result['calibration']:.3f}" if result["calibration"] == result["calibration"]
-                   else "undefined (no clicks)")
-    emit(args, result, f"{_auc(result)} logloss {result['logloss']:.4f} calibration "
+                   else "n/a (no click among the scored rows)")
+    emit(args, result, f"{auc_text(result)} logloss {result['logloss']:.4f} calibration "
          f"{calibration} on {result['records']:,} records: {result['rows']}, lines "
          f"{result['start']:,}-{result['stop']:,} of {result['source']} ({result['checkpoint']}){skipped}")
     return 0

@@ -19,7 +19,20 @@ def _finite(x: Any) -> Any:
 
 
 def emit(args: argparse.Namespace, summary: dict, line: str) -> None:
+    """The summary line, or with --json the summary as JSON (NaN and inf as null)."""
     print(json.dumps(_finite(summary)) if args.json else line, flush=True)
+
+
+def auc_text(acc: dict, digits: int = 4) -> str:
+    """'AUC 0.7812' of scored rows (`acc`: auc, records), or why there is none: AUC ranks
+    clicks above non-clicks, so it needs at least one of each."""
+    auc = acc.get("auc")
+    auc = float("nan") if auc is None else float(auc)
+    if math.isfinite(auc):
+        return f"AUC {auc:.{digits}f}"
+    if not acc.get("records"):
+        return "AUC n/a (no rows scored)"
+    return "AUC n/a (needs both a click and a non-click among the scored rows)"
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

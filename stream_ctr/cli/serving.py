@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from stream_ctr.cli.output import auc_text
 from stream_ctr.config import (HEAP_KEEP_RULE, Config, ConfigError, check_line_range, heap_keep_bytes_ok,
                                parse_bytes)
 from stream_ctr.connectors.errors import SourceError
@@ -328,6 +329,6 @@ def cmd_predict(args: argparse.Namespace) -> tuple[dict, str]:
     summary = {"bundle": str(bundle.path), "model_version": scorer.version, "source": source,
                "start": start, "stop": end, "rows": rows, "records": int(len(probs)),
                "rejected": rejected, "precision": scorer.precision, "out": str(out), **acc}
-    metrics = (f"AUC {acc['auc']:.6f} logloss {acc['logloss']:.6f} on " if acc else "")
+    metrics = f"{auc_text(acc, 6)} logloss {acc['logloss']:.6f} on " if acc else ""
     return (summary, f"{metrics}{len(probs):,} records ({rejected:,} rejected): {rows}, lines "
                      f"{start:,}-{end:,} of {source}; model {scorer.version}; probabilities in {out}")

@@ -107,4 +107,5 @@ def test_an_input_without_records_exits_5_with_a_warning(tmp_path, name):
     one_class.write_bytes(b"\n".join([line for line in lines if line.startswith(b"0\t")][:20]) + b"\n")
     ev = run("eval", str(run_dir), f"criteo:{one_class}")
     assert ev.returncode == 0, ev.stderr
-    assert "AUC undefined (one class only)" in ev.stdout and not says_nan(ev.stdout), ev.stdout
+    assert "AUC n/a (needs both a click and a non-click among the scored rows)" in ev.stdout, ev.stdout
+    assert "calibration n/a (no click among the scored rows)" in ev.stdout and not says_nan(ev.stdout), ev.stdout

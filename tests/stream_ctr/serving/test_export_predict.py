@@ -144,3 +144,30 @@ def test_an_older_tiered_checkpoint_exports_its_own_generation_in_chunks(tiered_
 def read_bundle_of(tmp_path, run_dir):
     assert main(["export", run_dir, "--out", str(tmp_path / "blast"), "--quiet"]) == 0
     return read_bundle(tmp_path / "blast")
+
+
+def test_predict_on_a_handful_of_rows_of_one_class_says_why_there_is_no_auc(memory_run, tmp_path, capsys):
+    """Three rows, all non-clicks: AUC is undefined. The line says so (never "AUC nan"),
+    and --json holds null; three rows with a click among them have an AUC."""
+    import gzip
+    import re
+    from stream_ctr.connectors.files import SAMPLE_PATHS
+    tmp, _, _ = memory_run
+    lines = gzip.decompress(SAMPLE_PATHS["criteo"].read_bytes()).split(b"\n")
+    negatives = [line for line in lines if line.startswith(b"0\t")]
+    clicks = [line for line in lines if line.startswith(b"1\t")]
+    one_class = tmp_path / "three_criteo.tsv"
+    one_class.write_bytes(b"\n".join(negatives[:3]) + b"\n")
+    assert main(["predict", str(tmp / "bundle"), f"criteo:{one_class}", "--out", str(tmp_path / "p.txt"),
+                 "--quiet"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("AUC n/a (needs both a click and a non-click among the scored rows) logloss "), line
+    assert "3 records" in line and not re.search(r"\bnan\b", line, re.I), line
+    assert main(["predict", str(tmp / "bundle"), f"criteo:{one_class}", "--out", str(tmp_path / "p.txt"),
+                 "--json", "--quiet"]) == 0
+    raw = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "NaN" not in raw and json.loads(raw)["auc"] is None and json.loads(raw)["records"] == 3
+    mixed = tmp_path / "mixed_criteo.tsv"
+    mixed.write_bytes(b"\n".join(negatives[:2] + clicks[:1]) + b"\n")
+    out = cli_json(capsys, "predict", str(tmp / "bundle"), f"criteo:{mixed}", "--out", str(tmp_path / "q.txt"))
+    assert out["records"] == 3 and 0.0 <= out["auc"] <= 1.0
