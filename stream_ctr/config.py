@@ -215,7 +215,8 @@ class StoreConfig:
 @dataclass
 class MetricsConfig:
     # Prometheus endpoint (/metrics); 0 = off. Under torchrun, rank r with
-    # local rank l serves on port + l, every series labelled rank="r".
+    # local rank l serves on port + l; in a job of several ranks every series is labelled
+    # rank="r" (a single process, torchrun with one rank included, carries no rank label).
     port: int = 0
     addr: str = "127.0.0.1"         # bind address; 0.0.0.0 lets other hosts scrape
     # RUN_DIR/timeseries.jsonl (for `stream-ctr report`): one record per
