@@ -95,9 +95,14 @@ class OptimConfig:
     # cnt occurrences: the steps it would have taken at the base batch, so a rare id
     # moves as far per occurrence as at the base batch. A no-op without scale_from_batch.
     embed_lr_rule: str = "count"    # count | constant
-    # With embed_lr_rule = count: s in that formula is min(s, embed_lr_max_scale), so no
-    # row takes more than this many base steps at once (0 = no cap). Uncapped, frequent
-    # rows took 128 base steps in one at 128K and the model came out 6x under-calibrated.
+    # With embed_lr_rule = count: s in that formula is min(s, cap), so no row takes more
+    # than cap base steps at once. "sqrt": cap = sqrt(s / 2) (4 at 32x the base batch, 8
+    # at 128x), so a frequent row's step grows as the square root of the batch, as the
+    # dense lr does; "fixed": cap = embed_lr_max_scale (0 = no cap). Uncapped, frequent
+    # rows took 128 base steps in one at 128K and the model came out 6x under-calibrated;
+    # a fixed 8 cost 0.4 point at 32K on the additive stream, a fixed 4 2.3 points at 128K
+    # on an interaction stream (docs/large-batches.md). The ramp's steps keep the run's cap.
+    embed_lr_cap_rule: str = "sqrt"     # sqrt | fixed
     embed_lr_max_scale: float = 8.0
     # How L2 follows the batch under the scaling rule: "scaled" = l2 x s (the paper, for
     # N epochs); "constant" = l2 as configured. L2 acts on a row only in the steps that
@@ -312,7 +317,8 @@ def read_schema_file(path: str) -> str:
 
 # Optimizer rules a checkpoint written before them ran without: a resumed run keeps
 # training the way it started (a full checkpoint config names every field it had).
-_RULES_ADDED_IN_0_14 = {"beta2_rule": "constant", "rule_warmup_samples": 0, "ramp_samples": 0}
+_RULES_ADDED_IN_0_14 = {"beta2_rule": "constant", "rule_warmup_samples": 0, "ramp_samples": 0,
+                        "embed_lr_cap_rule": "fixed"}
 
 
 def checkpoint_config(raw: dict[str, Any], origin: str) -> "Config":
@@ -503,6 +509,8 @@ def validate(cfg: Config) -> Config:
         (o.beta2_max_scale >= 1, f"optim.beta2_max_scale must be >= 1, got {o.beta2_max_scale}"),
         (o.embed_lr_rule in ("constant", "count"),
          f"optim.embed_lr_rule must be constant or count, got {o.embed_lr_rule!r}"),
+        (o.embed_lr_cap_rule in ("sqrt", "fixed"),
+         f"optim.embed_lr_cap_rule must be sqrt or fixed, got {o.embed_lr_cap_rule!r}"),
         (o.embed_lr_max_scale >= 0,
          f"optim.embed_lr_max_scale must be >= 0 (0 = no cap), got {o.embed_lr_max_scale}"),
         (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)"),
@@ -607,10 +615,21 @@ def resolve_optim(cfg: Config, batch: int | None = None) -> ResolvedOptim:
     ramp_batch = int(round(o.ramp_scale * o.scale_from_batch)) if o.ramp_samples > 0 and s > o.ramp_scale else 0
     return ResolvedOptim(**fields, batch_size=batch, scale=s,
                          clip_scale=1.0 / batch if o.cowclip_units == "occurrence" else 1.0,
-                         count_lr_s=(min(s, o.embed_lr_max_scale) if o.embed_lr_max_scale > 0 else s)
-                         if o.embed_lr_rule == "count" else 1.0,
+                         count_lr_s=count_lr_scale(o, s, s),
                          ramp_batch=ramp_batch,
                          ramp_steps=math.ceil(o.ramp_samples / ramp_batch) if ramp_batch else 0)
+
+
+def count_lr_scale(o: OptimConfig, s: float, run_s: float) -> float:
+    """s' of the per-row count rule for a step at scale s in a run at scale run_s: s
+    capped at the run's cap (optim.embed_lr_cap_rule); 1 = off."""
+    if o.embed_lr_rule != "count":
+        return 1.0
+    if o.embed_lr_cap_rule == "sqrt":
+        cap = math.sqrt(run_s / 2)
+    else:
+        cap = o.embed_lr_max_scale if o.embed_lr_max_scale > 0 else s
+    return max(1.0, min(s, cap))
 
 
 def ramp_optim(cfg: Config, run: ResolvedOptim) -> ResolvedOptim | None:
@@ -620,7 +639,8 @@ def ramp_optim(cfg: Config, run: ResolvedOptim) -> ResolvedOptim | None:
         return None
     sub = resolve_optim(cfg, run.ramp_batch)
     return dataclasses.replace(sub, warmup_samples=run.warmup_samples, ramp_batch=run.ramp_batch,
-                               ramp_steps=run.ramp_steps)
+                               ramp_steps=run.ramp_steps,
+                               count_lr_s=count_lr_scale(cfg.optim, sub.scale, run.scale))
 
 
 def describe_optim(r: ResolvedOptim) -> str:

@@ -131,12 +131,20 @@ def test_the_rule_warms_up_over_a_floor_of_samples_and_scales_beta2():
 def test_a_checkpoint_from_before_the_beta2_rule_keeps_training_as_it_started():
     from stream_ctr.config import checkpoint_config
     old = Config().to_dict()
-    for name in ("beta2_rule", "rule_warmup_samples"):
+    for name in ("beta2_rule", "rule_warmup_samples", "ramp_samples", "embed_lr_cap_rule"):
         del old["optim"][name]
     cfg = checkpoint_config(old, origin="test")
     assert (cfg.optim.beta2_rule, cfg.optim.rule_warmup_samples) == ("constant", 0)
+    assert (cfg.optim.ramp_samples, cfg.optim.embed_lr_cap_rule) == (0, "fixed")
     new = checkpoint_config(Config().to_dict(), origin="test")
     assert (new.optim.beta2_rule, new.optim.rule_warmup_samples) == ("scaled", 500_000)
+    assert (new.optim.ramp_samples, new.optim.embed_lr_cap_rule) == (1_048_576, "sqrt")
+    # A checkpoint with the beta2 rule but from before the ramp and the sqrt cap.
+    mid = Config().to_dict()
+    for name in ("ramp_samples", "embed_lr_cap_rule"):
+        del mid["optim"][name]
+    cfg = checkpoint_config(mid, origin="test")
+    assert (cfg.optim.beta2_rule, cfg.optim.ramp_samples, cfg.optim.embed_lr_cap_rule) == ("scaled", 0, "fixed")
 
 
 def test_legacy_warmup_steps_become_samples():
@@ -170,11 +178,13 @@ def test_l2_rule_constant_keeps_the_base_l2():
 
 
 def test_the_default_rule_is_the_single_pass_one_and_idle_without_a_base_batch():
-    """Defaults: count rule capped at 8 base steps, L2 not scaled; all of it a no-op
-    until --scale-from names a base batch."""
+    """Defaults: count rule capped at sqrt(s / 2) base steps (8 at 128x), L2 not scaled;
+    all of it a no-op until --scale-from names a base batch."""
     cfg = _criteo_base(131072)
     r = resolve_optim(cfg)
     assert (r.embed_lr_rule, r.count_lr_s, r.l2) == ("count", 8, 1e-5)
+    assert resolve_optim(_criteo_base(32768)).count_lr_s == 4
+    assert resolve_optim(_criteo_base(2048)).count_lr_s == 1.0       # cap 1: off
     assert math.isclose(r.lr_dense, 90.51e-4, rel_tol=1e-4)
     cfg.optim.scale_from_batch = 0
     r = resolve_optim(cfg)
@@ -185,7 +195,9 @@ def test_resolved_kernel_factors():
     cfg = _criteo_base(32768)
     cfg.optim.cowclip_units, cfg.optim.embed_lr_rule = "occurrence", "count"
     r = resolve_optim(cfg)
-    assert r.clip_scale == 1 / 32768 and r.count_lr_s == 8          # the default cap
+    assert r.clip_scale == 1 / 32768 and r.count_lr_s == 4          # the default cap, sqrt(32 / 2)
+    cfg.optim.embed_lr_cap_rule = "fixed"
+    assert resolve_optim(cfg).count_lr_s == 8                       # embed_lr_max_scale
     cfg.optim.embed_lr_max_scale = 0
     assert resolve_optim(cfg).count_lr_s == 32
     cfg.optim.cowclip_units, cfg.optim.embed_lr_rule = "mean", "constant"

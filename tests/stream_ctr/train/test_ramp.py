@@ -20,7 +20,11 @@ def test_the_rule_ramps_at_large_scales_only():
     sub = ramp_optim(cfg, run)
     assert (sub.batch_size, sub.scale) == (8192, 8.0)
     assert math.isclose(sub.lr_dense, cfg.optim.lr_dense * math.sqrt(8))
-    assert math.isclose(sub.beta2, 0.999 ** 8) and sub.count_lr_s == 8
+    assert math.isclose(sub.beta2, 0.999 ** 8)
+    assert run.count_lr_s == sub.count_lr_s == 8            # the run's cap, sqrt(128 / 2)
+    cfg.data.batch_size = 32768
+    assert ramp_optim(cfg, resolve_optim(cfg)).count_lr_s == 4      # sqrt(32 / 2), not 8
+    cfg.data.batch_size = 131072
     assert sub.warmup_samples == run.warmup_samples == 500_000      # one warm-up over samples
     cfg.data.batch_size = 8192                                      # s = ramp_scale: nothing to ramp
     assert resolve_optim(cfg).ramp_batch == 0 and ramp_optim(cfg, resolve_optim(cfg)) is None
