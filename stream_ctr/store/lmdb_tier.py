@@ -35,8 +35,13 @@ The pages of the memory map that reads and writes touched are unmapped from
 the process whenever they pass `mapped_bytes` (`mapped_pages.py`), checked
 every `MAP_TRIM_KEYS` keys, so RSS stays bounded on tables far larger than RAM.
 The map starts small and doubles when full, up to `cap_bytes`, then raises
-StoreError. Commits fsync (LMDB's default), so a power loss also leaves the
-last checkpoint intact. Not thread-safe: one thread at a time.
+StoreError. Commits fsync their data pages but not the meta page
+(MDB_NOMETASYNC): LMDB keeps its integrity, and a system crash may undo the
+newest write-behind commits, which a resume rolls back past anyway; checkpoint
+commits and rollbacks then `env.sync(True)`, so a power loss leaves the last
+checkpoint intact. The meta page's own fsync per write-behind commit was most of
+the I/O thread's time (BENCHMARKS, "Embedding store"). Not thread-safe: one
+thread at a time.
 """
 from __future__ import annotations
 
@@ -118,7 +123,7 @@ class LmdbTier:
             existing = (self.path / "data.mdb").stat().st_size if (self.path / "data.mdb").exists() else 0
             self.env = lmdb.open(str(self.path), map_size=max(min(cap_bytes, initial_map_bytes), existing),
                                  max_dbs=MAX_DBS, readahead=False, readonly=read_only,
-                                 sync=True, metasync=True, writemap=False)
+                                 sync=True, metasync=False, writemap=False)
         except (OSError, lmdb.Error) as e:
             raise StoreError(f"cannot open the LMDB store at {self.path}: {e}") from None
         self.rows_db = self.env.open_db(b"rows", create=not read_only)
