@@ -7,6 +7,12 @@ Two numbers per configuration:
     as `stream-ctr train` does (chunks decoded ahead on a thread, --read-ahead).
 The phase split (prepare / forward+backward / update) shows where time goes.
 
+With `stores=("memory", "tiered")` each batch size runs once per store and
+repeat, alternating (memory, tiered, memory, tiered, ...), each in its own
+process; a tiered row carries its ratio to the memory row just before it (the
+same minute on a shared machine) and the store's counters: hit rates per tier,
+how long `prepare` blocked on the I/O thread, LMDB reads and writes.
+
 Beside them, in the same process and minute, a bare torch MLP of the model's
 deep part (input F*d + n_dense, the configured hidden layers, one output):
 forward, BCE, backward and Adam on random dense input, in fp32 and in bf16
@@ -23,6 +29,7 @@ import multiprocessing as mp
 import resource
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,9 +42,24 @@ from stream_ctr.train.batcher import MicroBatcher
 from stream_ctr.config import Config
 
 
+@dataclass(frozen=True)
+class StoreChoice:
+    """The embedding store a bench run trains with: memory, or tiered with these budgets
+    (None: the configured defaults); each trainer gets a fresh LMDB directory under `root`."""
+    kind: str = "memory"
+    cache_bytes: int | None = None
+    ram_bytes: int | None = None
+
+
 def _bench_config(model: str, batch_size: int, threads: int, precision: str = "auto",
-                  read_ahead_chunks: int = 2, compile_model: bool = False) -> Config:
+                  read_ahead_chunks: int = 2, compile_model: bool = False,
+                  store: StoreChoice = StoreChoice()) -> Config:
     cfg = Config()
+    cfg.store.kind = store.kind
+    if store.cache_bytes is not None:
+        cfg.store.cache_bytes = store.cache_bytes
+    if store.ram_bytes is not None:
+        cfg.store.ram_bytes = store.ram_bytes
     cfg.train.precision = precision
     cfg.train.compile = compile_model
     cfg.data.read_ahead_chunks = read_ahead_chunks
@@ -115,23 +137,45 @@ def profile_steps(trainer, batches: list[Batch]) -> str:
             + prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=55))
 
 
+def _store_counters(trainer) -> dict | None:
+    """A tiered store's counters after a pass (None for the memory store)."""
+    counters = getattr(trainer.store, "counters", None)
+    if counters is None:
+        return None
+    c = counters.as_dict()
+    hit = {t: r["hit"] / max(1, r["hit"] + r["miss"]) for t, r in c["lookups"].items()}
+    return {"hit_rate": hit, "prefetch_wait_s": c["prefetch_wait_seconds"],
+            "lmdb_read_rows": c["lmdb_read_rows"], "lmdb_read_s": c["lmdb_read_seconds"],
+            "lmdb_written_rows": c["lmdb_written_rows"], "lmdb_write_s": c["lmdb_write_seconds"],
+            "rows_written_back": c["rows_written_back"]}
+
+
 def _worker(source: str, schema: str, model: str, batch_size: int, threads: int, precision: str,
-            read_ahead: int, compile_model: bool, profile: int, queue: mp.Queue) -> None:
+            read_ahead: int, compile_model: bool, profile: int, store: StoreChoice,
+            queue: mp.Queue) -> None:
     from stream_ctr.train.trainer import Trainer
     from stream_ctr.train.loop import configure_torch
-    cfg = _bench_config(model, batch_size, threads, precision, read_ahead, compile_model)
+    cfg = _bench_config(model, batch_size, threads, precision, read_ahead, compile_model, store)
     configure_torch(cfg)
     fmt, _ = detect_format(source, schema)
+    root = tempfile.TemporaryDirectory(prefix="stream_ctr_bench_store_")
+    made = [0]
+
+    def new_trainer() -> Trainer:
+        """A trainer with an empty store (a tiered one in a directory of its own)."""
+        made[0] += 1
+        cfg.train.run_dir = str(Path(root.name) / f"run{made[0]}")
+        return Trainer.for_format(cfg, fmt)
 
     # Excluding decoding: decode everything first, then time only the steps.
     t0 = time.perf_counter()
     batches = decoded_batches(source, schema, batch_size)
     decode_s = time.perf_counter() - t0
     records = sum(len(b) for b in batches)
-    trainer = Trainer.for_format(cfg, fmt)
+    trainer = new_trainer()
     phases = {"prepare": 0.0, "forward_backward": 0.0, "update": 0.0}
     warm = batches[0]
-    _warm_up(trainer, warm, lambda: Trainer.for_format(cfg, fmt))
+    _warm_up(trainer, warm, new_trainer)
     t0 = time.perf_counter()
     for batch in batches:
         result = trainer.train_step(batch)
@@ -140,20 +184,21 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
     if trainer.device.type == "cuda":
         torch.cuda.synchronize()
     train_s = time.perf_counter() - t0
+    store_counters = _store_counters(trainer)
     # After the clock: more steps of the same trainer (its rows are in the store now).
     profile_text = profile_steps(trainer, batches[:profile]) if profile else None
     del batches
 
     # Including decoding: a fresh model on the file, the way `train` runs; the bare MLP
     # right before and right after it.
-    trainer = Trainer.for_format(cfg, fmt)
+    trainer = new_trainer()
     in_features = trainer.n_fields * cfg.model.embed_dim + fmt.n_dense
 
     def bare_mlp() -> dict[str, float]:
         return {p: bare_mlp_samples_per_s(in_features, cfg.model.mlp_dims, batch_size, p, trainer.device)
                 for p in ("fp32", "bf16")}
     bare_before = bare_mlp()
-    _warm_up(trainer, warm, lambda: Trainer.for_format(cfg, fmt))
+    _warm_up(trainer, warm, new_trainer)
     t0 = time.perf_counter()
     fmt, p = detect_format(source, schema)
     batcher = MicroBatcher(batch_size)
@@ -185,7 +230,10 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
                "prepare_pct": 100 * phases["prepare"] / train_s,
                "fwd_bwd_pct": 100 * phases["forward_backward"] / train_s,
                "update_pct": 100 * phases["update"] / train_s,
-               "peak_rss_mb": peak_rss_mb, "profile": profile_text})
+               "peak_rss_mb": peak_rss_mb, "profile": profile_text,
+               "store": store.kind, "store_counters": store_counters})
+    trainer.store.close()
+    root.cleanup()
 
 
 def _in_process(ctx, target, *args) -> dict:
@@ -202,12 +250,14 @@ def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
                 data: str | None = None, threads: int = 0, show_progress: bool = True,
                 precision: str = "auto", read_ahead: int = 2, compile_model: bool = False,
                 peer: str | None = None, repeats: int = 1, schema: str = "",
-                profile: int = 0) -> list[dict]:
+                profile: int = 0, stores: tuple[StoreChoice, ...] = (StoreChoice(),)) -> list[dict]:
     """One row per batch size and repeat.  With `peer="deepctr"` each of our runs is
     followed by deepctr-torch's DeepFM on the same rows (bench/peer.py), so the pair is
     measured in the same minute (A, B, A, B with repeats >= 2) and the row carries the
     ratio: on a shared machine only such ratios compare. `profile` > 0 profiles that many
-    steps after the decode-excluded pass (`profile_steps`; the row's "profile")."""
+    steps after the decode-excluded pass (`profile_steps`; the row's "profile"). Several
+    `stores` alternate within each repeat; a row after the first store's carries its
+    ratio to it ("vs_first_store_excl_decode", "..._incl_decode")."""
     import sys
     from stream_ctr.connectors.synth import write_synthetic_criteo
     if peer not in (None, "deepctr"):
@@ -223,26 +273,39 @@ def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
     source = bench_source(data)
     ctx = mp.get_context("spawn")
     rows = []
+
+    def measure(bs: int, store: StoreChoice) -> dict:
+        row = _in_process(ctx, _worker, source, schema, model, bs, threads, precision,
+                          read_ahead, compile_model, profile, store)
+        if peer:
+            from stream_ctr.bench.peer import _peer_worker
+            other = _in_process(ctx, _peer_worker, source, schema, bs, threads)
+            if "error" in other:
+                from stream_ctr.config import ConfigError
+                raise ConfigError(other["error"])
+            row["peer"] = other["peer"]
+            row["peer_samples_per_s"] = other["samples_per_s"]
+            row["vs_peer_excl_decode"] = row["samples_per_s_excl_decode"] / other["samples_per_s"]
+            row["vs_peer_incl_decode"] = row["samples_per_s_incl_decode"] / other["samples_per_s"]
+        if show_progress:
+            extra = (f"; {row['peer']} {row['peer_samples_per_s']:,.0f}" if peer else "")
+            print(f"bench train: batch {bs:,}, {store.kind} store: {row['samples_per_s_excl_decode']:,.0f} "
+                  f"samples/s (excl. decode){extra}", flush=True, file=sys.stderr)
+        return row
+
     try:
         for bs in batch_sizes:
             for _ in range(max(1, repeats)):
-                row = _in_process(ctx, _worker, source, schema, model, bs, threads, precision,
-                                  read_ahead, compile_model, profile)
-                if peer:
-                    from stream_ctr.bench.peer import _peer_worker
-                    other = _in_process(ctx, _peer_worker, source, schema, bs, threads)
-                    if "error" in other:
-                        from stream_ctr.config import ConfigError
-                        raise ConfigError(other["error"])
-                    row["peer"] = other["peer"]
-                    row["peer_samples_per_s"] = other["samples_per_s"]
-                    row["vs_peer_excl_decode"] = row["samples_per_s_excl_decode"] / other["samples_per_s"]
-                    row["vs_peer_incl_decode"] = row["samples_per_s_incl_decode"] / other["samples_per_s"]
-                rows.append(row)
-                if show_progress:
-                    extra = (f"; {row['peer']} {row['peer_samples_per_s']:,.0f}" if peer else "")
-                    print(f"bench train: batch {bs:,}: {row['samples_per_s_excl_decode']:,.0f} samples/s "
-                          f"(excl. decode){extra}", flush=True, file=sys.stderr)
+                first = None
+                for store in stores:
+                    row = measure(bs, store)
+                    if first is None:
+                        first = row
+                    else:
+                        for k in ("excl_decode", "incl_decode"):
+                            row[f"vs_first_store_{k}"] = (row[f"samples_per_s_{k}"]
+                                                          / first[f"samples_per_s_{k}"])
+                    rows.append(row)
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -259,12 +322,16 @@ def format_table(rows: list[dict]) -> str:
             ("bare_mlp_fp32_samples_per_s", "bare MLP fp32/s", "{:,.0f}"),
             ("bare_mlp_bf16_samples_per_s", "bare MLP bf16/s", "{:,.0f}"),
             ("vs_bare_fp32", "incl. decode vs bare fp32", "{:.2f}x")]
+    if len({r.get("store", "memory") for r in rows}) > 1:
+        cols.insert(1, ("store", "store", "{}"))
+        cols += [("vs_first_store_excl_decode", f"excl. decode vs {rows[0]['store']}", "{:.2f}x"),
+                 ("vs_first_store_incl_decode", f"incl. decode vs {rows[0]['store']}", "{:.2f}x")]
     if rows and "peer" in rows[0]:
         cols += [("peer_samples_per_s", f"{rows[0]['peer']}/s", "{:,.0f}"),
                  ("vs_peer_excl_decode", "excl. decode vs peer", "{:.2f}x"),
                  ("vs_peer_incl_decode", "incl. decode vs peer", "{:.2f}x")]
     table = [[title for _, title, _ in cols]]
-    table += [[fmt.format(r[key]) for key, _, fmt in cols] for r in rows]
+    table += [[fmt.format(r[key]) if key in r else "" for key, _, fmt in cols] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     lines = [" | ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
     lines.insert(1, "-+-".join("-" * w for w in widths))

@@ -247,6 +247,14 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--profile-steps", type=int, default=0, metavar="N",
                    help="after the timed pass, profile N more steps (torch.profiler) and print "
                         "the heaviest ops (GPU time on CUDA, CPU time elsewhere)")
+    b.add_argument("--store", default="memory", metavar="KINDS",
+                   help="embedding store(s), comma-separated: memory, tiered, or memory,tiered "
+                        "(alternated within each repeat; the tiered rows carry their ratio to the "
+                        "memory row before them and the store's counters) (default: memory)")
+    b.add_argument("--cache-bytes", type=_byte_size, metavar="SIZE",
+                   help="the tiered store's device cache budget (default: store.cache_bytes)")
+    b.add_argument("--ram-bytes", type=_byte_size, metavar="SIZE",
+                   help="the tiered store's RAM tier budget (default: store.ram_bytes)")
     _add_common(b)
     b.set_defaults(func=cmd_bench_train)
     from stream_ctr.cli.kafka import add_bench_ingest_parser
@@ -487,16 +495,29 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     from stream_ctr.bench.train import bench_train, format_table
     from stream_ctr.cli.schema import read_schema_file
     from stream_ctr.config import ConfigError
+    from stream_ctr.bench.train import StoreChoice
     if args.profile_steps < 0:
         raise ConfigError(f"bench train: --profile-steps must be >= 0, got {args.profile_steps}")
+    kinds = [k.strip() for k in args.store.split(",") if k.strip()]
+    if not kinds or any(k not in ("memory", "tiered") for k in kinds):
+        raise ConfigError(f"bench train: --store takes memory, tiered or memory,tiered, got {args.store!r}")
+    stores = tuple(StoreChoice(k, args.cache_bytes, args.ram_bytes) for k in kinds)
     rows = bench_train(args.records, [int(x) for x in args.batch_sizes.split(",")],
                        args.model, args.data, args.threads, show_progress=not args.quiet,
                        precision=args.precision, read_ahead=args.read_ahead,
                        compile_model=args.compile, peer=args.peer, repeats=args.repeats,
                        schema=read_schema_file(args.schema) if args.schema else "",
-                       profile=args.profile_steps)
+                       profile=args.profile_steps, stores=stores)
     if not args.json:
         print(format_table(rows))
+        for row in rows:
+            c = row.get("store_counters")
+            if c:
+                hits = ", ".join(f"{t} {100 * r:.1f}%" for t, r in c["hit_rate"].items())
+                print(f"batch {row['batch_size']:,}, tiered store (decode-excluded pass): hits {hits}; "
+                      f"prepare waited {c['prefetch_wait_s']:.2f} s on the I/O thread; LMDB read "
+                      f"{c['lmdb_read_rows']:,} rows in {c['lmdb_read_s']:.2f} s, wrote "
+                      f"{c['lmdb_written_rows']:,} in {c['lmdb_write_s']:.2f} s")
         for row in rows:
             if row.get("profile"):
                 print(row["profile"])
