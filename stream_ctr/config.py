@@ -648,6 +648,9 @@ def describe_optim(r: ResolvedOptim) -> str:
     rule = (f"batch {r.batch_size:,} = {r.scale:g} x base {r.scale_from_batch:,}" if r.scale_from_batch
             else f"batch {r.batch_size:,}, no scaling rule")
     warm_steps = math.ceil(r.warmup_samples / r.batch_size)
+    if r.ramp_batch:        # the ramp's steps count at their sub-batch
+        in_ramp = min(r.ramp_steps, math.ceil(r.warmup_samples / r.ramp_batch))
+        warm_steps = in_ramp + math.ceil(max(0, r.warmup_samples - in_ramp * r.ramp_batch) / r.batch_size)
     warm = (f"warm-up {r.warmup_samples:,} samples ({warm_steps:,} steps)"
             if r.warmup_samples else "no warm-up")
     if r.scale_from_batch and r.scale > 1 and warm_steps < 4:

@@ -26,6 +26,9 @@ def test_the_rule_ramps_at_large_scales_only():
     assert ramp_optim(cfg, resolve_optim(cfg)).count_lr_s == 4      # sqrt(32 / 2), not 8
     cfg.data.batch_size = 131072
     assert sub.warmup_samples == run.warmup_samples == 500_000      # one warm-up over samples
+    from stream_ctr.config import describe_optim
+    assert ("warm-up 500,000 samples (62 steps), the first 1,048,576 samples in sub-batches of "
+            "8,192 (128 steps)") in describe_optim(run)
     cfg.data.batch_size = 8192                                      # s = ramp_scale: nothing to ramp
     assert resolve_optim(cfg).ramp_batch == 0 and ramp_optim(cfg, resolve_optim(cfg)) is None
     cfg.data.batch_size, cfg.optim.ramp_samples = 131072, 0
