@@ -278,3 +278,18 @@ def test_a_large_batch_that_leaves_few_steps_says_so(tmp_path, capsys):
     assert "note: batch 512 gives 4 steps over the 2,048 records to train; with under 100 steps" in err
     train(small_config(tmp_path / "plain", limit_records=2048), show_progress=True)   # no rule: no note
     assert "feature interactions" not in capsys.readouterr().err
+
+
+def test_the_ramps_steps_count_toward_the_few_steps_note(tmp_path, capsys):
+    # batch 4,096 = 256 x base 16: the ramp trains in sub-batches of 128, 100 steps over
+    # 12,800 records; without it the same run is 4 steps.
+    cfg = small_config(tmp_path / "ramp", limit_records=12_800)
+    cfg.data.batch_size, cfg.optim.scale_from_batch = 4096, 16
+    summary = train(cfg, show_progress=True)
+    err = capsys.readouterr().err
+    assert "sub-batches of 128 (8,192 steps)" in err and "feature interactions" not in err
+    assert summary.records_trained == 12_800
+    cfg = small_config(tmp_path / "no_ramp", limit_records=12_800)
+    cfg.data.batch_size, cfg.optim.scale_from_batch, cfg.optim.ramp_samples = 4096, 16, 0
+    train(cfg, show_progress=True)
+    assert "note: batch 4,096 gives 4 steps over the 12,800 records" in capsys.readouterr().err
