@@ -187,10 +187,20 @@ class Trainer:
     def dense_lr(self, step: int) -> float:
         """Linear warm-up to the step's lr_dense over optim.warmup_samples, then flat
         (as in the CowClip paper, the warm-up spans a number of samples whatever
-        the batch); progress is `samples_at(step)`, this step's batch included."""
+        the batch); progress is `samples_at(step)`, this step's batch included. After
+        a ramp the lr climbs again, linearly from the ramp's to the run's over the next
+        warmup_samples: a jump to 4x the lr on a model of 128 small steps threw its
+        calibration off (1.8 on a 2M-row stream at 128K, docs/large-batches.md)."""
         o = self._step_optim(step)
         warm = o.warmup_samples
-        return o.lr_dense * (min(1.0, self.samples_at(step) / warm) if warm > 0 else 1.0)
+        if warm <= 0:
+            return o.lr_dense
+        done = self.samples_at(step)
+        ramp = self.ramp
+        if ramp is None or step <= ramp.ramp_steps:
+            return o.lr_dense * min(1.0, done / warm)
+        after = done - self.samples_at(ramp.ramp_steps)
+        return ramp.lr_dense + (o.lr_dense - ramp.lr_dense) * min(1.0, after / warm)
 
     def _init_bias(self, logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None) -> None:
         """Output bias <- the shift that makes the first batch's mean prediction its

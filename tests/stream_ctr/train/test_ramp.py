@@ -45,7 +45,12 @@ def test_samples_and_the_dense_warm_up_count_the_ramps_steps_at_its_sub_batch():
     assert t.samples_at(61) == 61 * 8192
     # The warm-up (500,000 samples) ends inside the ramp, at the ramp's own lr.
     assert math.isclose(t.dense_lr(61), t.ramp.lr_dense * 61 * 8192 / 500_000)
-    assert math.isclose(t.dense_lr(62), t.ramp.lr_dense) and math.isclose(t.dense_lr(129), t.optim.lr_dense)
+    assert math.isclose(t.dense_lr(62), t.ramp.lr_dense) and math.isclose(t.dense_lr(128), t.ramp.lr_dense)
+    # After the ramp the lr climbs from the ramp's to the run's over another 500,000 samples.
+    climb = t.optim.lr_dense - t.ramp.lr_dense
+    assert math.isclose(t.dense_lr(129), t.ramp.lr_dense + climb * 131072 / 500_000)
+    assert math.isclose(t.dense_lr(131), t.ramp.lr_dense + climb * 3 * 131072 / 500_000)
+    assert math.isclose(t.dense_lr(132), t.optim.lr_dense) and math.isclose(t.dense_lr(500), t.optim.lr_dense)
 
 
 def _ramp_config(tmp_path):
