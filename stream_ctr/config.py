@@ -643,14 +643,18 @@ def ramp_optim(cfg: Config, run: ResolvedOptim) -> ResolvedOptim | None:
                                count_lr_s=count_lr_scale(cfg.optim, sub.scale, run.scale))
 
 
+def steps_for(r: ResolvedOptim, samples: int) -> int:
+    """How many steps `samples` samples take under `r`: the ramp's at its sub-batch, the
+    rest at the run's batch."""
+    in_ramp = min(r.ramp_steps, math.ceil(samples / r.ramp_batch)) if r.ramp_batch else 0
+    return in_ramp + math.ceil(max(0, samples - in_ramp * r.ramp_batch) / r.batch_size)
+
+
 def describe_optim(r: ResolvedOptim) -> str:
     """One line of the resolved values, printed when a run starts."""
     rule = (f"batch {r.batch_size:,} = {r.scale:g} x base {r.scale_from_batch:,}" if r.scale_from_batch
             else f"batch {r.batch_size:,}, no scaling rule")
-    warm_steps = math.ceil(r.warmup_samples / r.batch_size)
-    if r.ramp_batch:        # the ramp's steps count at their sub-batch
-        in_ramp = min(r.ramp_steps, math.ceil(r.warmup_samples / r.ramp_batch))
-        warm_steps = in_ramp + math.ceil(max(0, r.warmup_samples - in_ramp * r.ramp_batch) / r.batch_size)
+    warm_steps = steps_for(r, r.warmup_samples)
     warm = (f"warm-up {r.warmup_samples:,} samples ({warm_steps:,} steps)"
             if r.warmup_samples else "no warm-up")
     if r.scale_from_batch and r.scale > 1 and warm_steps < 4:

@@ -103,6 +103,7 @@ class Job:
             # Every sub-step would be an exchange of rows all ranks must join, and a rank
             # with a short or no batch would take fewer: a job trains each batch in one step.
             run.trainer.ramp = None
+            run.trainer.optim = dataclasses.replace(run.trainer.optim, ramp_batch=0, ramp_steps=0)
             if ctx.is_main:
                 print("stream-ctr: optim.ramp_samples is off in a distributed job (each batch is "
                       "one step); docs/large-batches.md", file=sys.stderr)

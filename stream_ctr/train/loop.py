@@ -22,7 +22,7 @@ from stream_ctr.connectors.dead_letter import rejection_note
 from stream_ctr.models.scoring import no_records_error, score_file
 from stream_ctr.train.checkpoint import CheckpointState, holds_checkpoint, load_checkpoint, save_checkpoint
 from stream_ctr.config import (Config, ConfigError, check_line_range, checkpoint_config, describe_optim,
-                               validate)
+                               steps_for, validate)
 from stream_ctr.serving.export import checkpoint_record
 from stream_ctr.serving.publisher import open_publisher
 from stream_ctr.train.evaluation import Accuracy, PrequentialWindow, accuracy
@@ -515,10 +515,7 @@ def few_steps_note(run: Run) -> str:
     left, batch, base = run.records_left(), run.cfg.data.batch_size, run.cfg.optim.scale_from_batch
     if not base or batch <= base or left is None or left < batch:
         return ""
-    ramp = run.trainer.ramp
-    in_ramp = min(ramp.ramp_steps, -(-left // ramp.batch_size)) if ramp is not None else 0
-    rest = max(0, left - in_ramp * ramp.batch_size) if ramp is not None else left
-    steps = in_ramp + -(-rest // batch)
+    steps = steps_for(run.trainer.optim, left)
     if steps >= FEW_STEPS:
         return ""
     return (f"stream-ctr: note: batch {batch:,} gives {steps:,} steps over the {left:,} records to "
