@@ -49,6 +49,7 @@ class StoreChoice:
     kind: str = "memory"
     cache_bytes: int | None = None
     ram_bytes: int | None = None
+    spill_bytes: int | None = None
 
 
 def _bench_config(model: str, batch_size: int, threads: int, precision: str = "auto",
@@ -60,6 +61,8 @@ def _bench_config(model: str, batch_size: int, threads: int, precision: str = "a
         cfg.store.cache_bytes = store.cache_bytes
     if store.ram_bytes is not None:
         cfg.store.ram_bytes = store.ram_bytes
+    if store.spill_bytes is not None:
+        cfg.store.spill_bytes = store.spill_bytes
     cfg.train.precision = precision
     cfg.train.compile = compile_model
     cfg.data.read_ahead_chunks = read_ahead_chunks
@@ -147,7 +150,8 @@ def _store_counters(trainer) -> dict | None:
     return {"hit_rate": hit, "prefetch_wait_s": c["prefetch_wait_seconds"],
             "lmdb_read_rows": c["lmdb_read_rows"], "lmdb_read_s": c["lmdb_read_seconds"],
             "lmdb_written_rows": c["lmdb_written_rows"], "lmdb_write_s": c["lmdb_write_seconds"],
-            "rows_written_back": c["rows_written_back"]}
+            "rows_written_back": c["rows_written_back"], "rows_spilled": c["rows_spilled"],
+            "spill_hits": c["spill_hits"]}
 
 
 def _worker(source: str, schema: str, model: str, batch_size: int, threads: int, precision: str,

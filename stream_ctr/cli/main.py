@@ -124,6 +124,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--store", choices=["memory", "tiered"], help="store.kind: embedding rows in "
                    "one device table, or tiered (device cache + host RAM + LMDB on disk)")
     for flag, what in (("cache-bytes", "device cache"), ("ram-bytes", "host RAM tier"),
+                       ("spill-bytes", "disk spill (dirty rows on their way to LMDB; 0 = none)"),
                        ("disk-bytes", "LMDB store cap")):
         p.add_argument(f"--{flag}", type=_byte_size, metavar="SIZE",
                        help=f"store.{flag.replace('-', '_')}: {what} budget, e.g. 512MiB, 8GB "
@@ -255,6 +256,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="the tiered store's device cache budget (default: store.cache_bytes)")
     b.add_argument("--ram-bytes", type=_byte_size, metavar="SIZE",
                    help="the tiered store's RAM tier budget (default: store.ram_bytes)")
+    b.add_argument("--spill-bytes", type=_byte_size, metavar="SIZE",
+                   help="the tiered store's disk spill, 0 = none (default: store.spill_bytes)")
     _add_common(b)
     b.set_defaults(func=cmd_bench_train)
     from stream_ctr.cli.kafka import add_bench_ingest_parser
@@ -403,7 +406,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if value is not None:
             set_option(cfg, dotted, value, origin="command line")
     store_flags = {"store.cache_bytes": args.cache_bytes, "store.ram_bytes": args.ram_bytes,
-                   "store.disk_bytes": args.disk_bytes, "store.store_dir": args.store_dir}
+                   "store.spill_bytes": args.spill_bytes, "store.disk_bytes": args.disk_bytes,
+                   "store.store_dir": args.store_dir}
     for dotted, value in store_flags.items():
         if value is not None:
             set_option(cfg, dotted, value, origin="command line")
@@ -501,7 +505,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     kinds = [k.strip() for k in args.store.split(",") if k.strip()]
     if not kinds or any(k not in ("memory", "tiered") for k in kinds):
         raise ConfigError(f"bench train: --store takes memory, tiered or memory,tiered, got {args.store!r}")
-    stores = tuple(StoreChoice(k, args.cache_bytes, args.ram_bytes) for k in kinds)
+    stores = tuple(StoreChoice(k, args.cache_bytes, args.ram_bytes, args.spill_bytes) for k in kinds)
     rows = bench_train(args.records, [int(x) for x in args.batch_sizes.split(",")],
                        args.model, args.data, args.threads, show_progress=not args.quiet,
                        precision=args.precision, read_ahead=args.read_ahead,
@@ -517,7 +521,8 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                 print(f"batch {row['batch_size']:,}, tiered store (decode-excluded pass): hits {hits}; "
                       f"prepare waited {c['prefetch_wait_s']:.2f} s on the I/O thread; LMDB read "
                       f"{c['lmdb_read_rows']:,} rows in {c['lmdb_read_s']:.2f} s, wrote "
-                      f"{c['lmdb_written_rows']:,} in {c['lmdb_write_s']:.2f} s")
+                      f"{c['lmdb_written_rows']:,} in {c['lmdb_write_s']:.2f} s; spilled "
+                      f"{c['rows_spilled']:,} rows, {c['spill_hits']:,} read back from the spill")
         for row in rows:
             if row.get("profile"):
                 print(row["profile"])

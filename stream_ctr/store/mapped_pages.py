@@ -61,6 +61,7 @@ class MappedPages:
 
     def __init__(self, data_file: Path, budget_bytes: int) -> None:
         self.data_file, self.budget_bytes = data_file, budget_bytes
+        self.files = [data_file]
         self.baseline_bytes = resident_shared_bytes()
         self.trims = 0
         self._madvise = None
@@ -73,6 +74,11 @@ class MappedPages:
             except (OSError, AttributeError):
                 self._madvise = None
 
+    def watch(self, path: Path) -> None:
+        """Also unmap this file's pages (another map of the store, e.g. the spill's) when over
+        budget: the budget counts every shared page, so trimming LMDB alone would not do."""
+        self.files.append(path)
+
     def trim_if_over(self) -> bool:
         """Drop the mapping's resident pages if over budget; True if it did. Cheap when under
         (one read of /proc/self/statm)."""
@@ -80,7 +86,7 @@ class MappedPages:
             return False
         if resident_shared_bytes() - self.baseline_bytes <= self.budget_bytes:
             return False
-        for lo, hi in mapping_ranges(self.data_file):
+        for lo, hi in [r for f in self.files for r in mapping_ranges(f)]:
             if self._madvise(lo, hi - lo, MADV_DONTNEED) != 0:
                 err = ctypes.get_errno()
                 log.warning("store: madvise(DONTNEED) on the LMDB map failed (%s); its pages stay "

@@ -21,6 +21,7 @@ PAGE = 4096
 # checkpoints (see BENCHMARKS.md, "disk use per row").
 DISK_ROWS_FRACTION = 0.5
 SKETCH_MAX_WIDTH = 1 << 22
+SPILL_INDEX_BYTES_PER_ROW = 8 + 1 + 64      # key, flag, SlotIndex (16 B x 4 entries)
 
 
 def lmdb_bytes_per_row(layout: RowLayout) -> int:
@@ -51,10 +52,12 @@ class StorePlan:
     cache_rows: int
     ram_rows: int
     disk_rows: int            # disk rows before the disk tier evicts
+    spill_rows: int           # dirty rows on their way from RAM to LMDB (0: none)
     working_set_rows: int     # worst case: batch_size x n_fields
     cache_bytes: int
     ram_bytes: int
     disk_bytes: int
+    spill_bytes: int
     sketch_bytes: int         # admission count-min sketch (device)
     transfer_bytes: int       # per-batch buffers of rows moving between tiers, worst case
     store_dir: str
@@ -63,7 +66,12 @@ class StorePlan:
     def resident_bytes(self) -> int:
         """Memory the store's tiers allocate (device cache + RAM tier + sketch)."""
         return (self.cache_rows * self.cache_row_bytes + self.ram_rows * self.ram_row_bytes
-                + self.sketch_bytes)
+                + self.spill_index_bytes + self.sketch_bytes)
+
+    @property
+    def spill_index_bytes(self) -> int:
+        """RAM of the spill's key -> slot index (its rows are in a file)."""
+        return self.spill_rows * SPILL_INDEX_BYTES_PER_ROW
 
     def describe(self) -> str:
         f = format_bytes
@@ -75,6 +83,9 @@ class StorePlan:
             f"one batch needs <= {self.working_set_rows:,}",
             f"  host RAM     {self.ram_rows:>14,} rows x {self.ram_row_bytes} B "
             f"(incl. index) = {f(self.ram_rows * self.ram_row_bytes)} of {f(self.ram_bytes)}",
+            f"  disk spill   {self.spill_rows:>14,} rows x {self.row_bytes} B = "
+            f"{f(self.spill_rows * self.row_bytes)} file (dirty rows on their way to LMDB) + "
+            f"{f(self.spill_index_bytes)} of RAM for its index",
             f"  LMDB disk    {self.disk_rows:>14,} rows x ~{self.disk_row_bytes} B "
             f"(packed pages; {DISK_ROWS_FRACTION:.0%} of {f(self.disk_bytes)}, the rest for "
             "B-tree slack and undo logs)",
@@ -91,6 +102,7 @@ def make_plan(store: StoreConfig, model: ModelConfig, batch_size: int, n_fields:
     disk_row = lmdb_bytes_per_row(layout)
     cache_rows, ram_rows = store.cache_bytes // cache_row, store.ram_bytes // ram_row
     disk_rows = int(store.disk_bytes * DISK_ROWS_FRACTION) // disk_row
+    spill_rows = store.spill_bytes // layout.row_bytes
     working = batch_size * n_fields
     f = format_bytes
     if cache_rows < working:
@@ -111,7 +123,8 @@ def make_plan(store: StoreConfig, model: ModelConfig, batch_size: int, n_fields:
         sketch = 4 * 4 * min(width, SKETCH_MAX_WIDTH)
     return StorePlan(dim=model.embed_dim, row_bytes=layout.row_bytes, cache_row_bytes=cache_row,
                      ram_row_bytes=ram_row, disk_row_bytes=disk_row, cache_rows=cache_rows,
-                     ram_rows=ram_rows, disk_rows=disk_rows, working_set_rows=working,
+                     ram_rows=ram_rows, disk_rows=disk_rows, spill_rows=spill_rows,
+                     working_set_rows=working, spill_bytes=store.spill_bytes,
                      cache_bytes=store.cache_bytes, ram_bytes=store.ram_bytes,
                      disk_bytes=store.disk_bytes, sketch_bytes=sketch,
                      transfer_bytes=3 * working * layout.row_bytes, store_dir=store_dir)

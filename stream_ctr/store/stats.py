@@ -21,8 +21,10 @@ class StoreStats:
     evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVICTION_REASONS, 0))
     rows_created: int = 0
     admissions_rejected: int = 0        # key-batches that trained on a transient initial row
-    rows_written_back: int = 0          # dirty rows written to LMDB on demotion
+    rows_written_back: int = 0          # dirty rows written to LMDB on demotion (via the spill)
     clean_rows_dropped: int = 0         # clean rows leaving RAM (their LMDB copy is current)
+    rows_spilled: int = 0               # dirty rows leaving RAM into the spill file
+    spill_hits: int = 0                 # keys prepare found in the spill (RAM missed)
     prefetch_wait_seconds: float = 0.0  # prepare blocked on the I/O thread
     prefetched_rows: int = 0
     lmdb_read_rows: int = 0

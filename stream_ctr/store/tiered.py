@@ -1,12 +1,13 @@
 """TieredEmbeddingStore: device cache + host RAM + LMDB behind the EmbeddingStore contract.
 
 `prepare(keys)` makes every key of the batch resident in the device cache
-before the step (the no-miss invariant). A miss is looked up in RAM, then on
-disk (in the rows the I/O thread prefetched for this batch, else in LMDB),
-and otherwise created from `init_rows` (subject to admission). Room is made
-by demoting the cache's lowest-priority rows to RAM, and RAM's to LMDB; dirty
-rows are written back (on the I/O thread, while the step runs), clean ones
-are dropped (LMDB holds them). Rows move losslessly, so where a row lives
+before the step (the no-miss invariant). A miss is looked up in RAM, then in
+the spill, then in LMDB (in the rows the I/O thread prefetched for this batch,
+else read now), and otherwise created from `init_rows` (subject to admission).
+Room is made by demoting the cache's lowest-priority rows to RAM, and RAM's
+to the spill (spill_tier.py: a file of dirty rows that reaches LMDB in key
+order, a range of keys a step); clean ones are dropped (LMDB holds them).
+LMDB writes run on the I/O thread while the step runs. Rows move losslessly, so where a row lives
 never changes a number: training with tiny budgets is bit-identical to one
 big table. TTL is one rule on a row's metadata: a row that is expired at this
 step is absent wherever it lives; the periodic cache/RAM scans
@@ -47,6 +48,7 @@ from stream_ctr.store.layout import (EVENT_MS, LAST_STEP, META_FIELDS, WRITE_GEN
 from stream_ctr.store.lmdb_tier import LmdbTier, WriteBatch
 from stream_ctr.store.plan import StorePlan
 from stream_ctr.store.policies import AdmissionSketch, expired
+from stream_ctr.store.spill_tier import SpillTier
 from stream_ctr.store.stats import StoreStats
 from stream_ctr.store.views import TieredReads
 
@@ -76,6 +78,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self._keep = keep_checkpoints
         # A read-only store opens LMDB at load_state_dict, at the path the checkpoint recorded.
         self.disk = None if read_only else self._open_disk(plan.store_dir)
+        self.spill = self._new_spill()
         width = min(1 << max(16, (2 * plan.working_set_rows - 1).bit_length()), 1 << 22)
         self.sketch = AdmissionSketch(store.admission_min_count, width, self.device)
         self.io = IoWorker()
@@ -86,6 +89,13 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self._sweep_from = 0
         self._disk_rows = self.disk.entries() if self.disk else 0
         self._disk_bytes = self.disk.used_bytes() if self.disk else 0
+
+    def _new_spill(self) -> SpillTier | None:
+        if self.read_only or self.plan.spill_rows <= 0:
+            return None
+        spill = SpillTier(self.plan.spill_rows, self.layout, self.plan.store_dir)
+        self.disk.mapped.watch(spill.path)      # its pages count in RSS like LMDB's
+        return spill
 
     def _open_disk(self, path: str) -> LmdbTier:
         return LmdbTier(path, self.layout, self.plan.disk_bytes, self._keep, self.read_only,
@@ -129,7 +139,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         n_miss = miss.numel()
         fresh = ~dead[miss_idx].cpu()                 # missed the cache (not expired there)
 
-        in_ram, from_ram = self.ram.take(miss)        # an expired cache row is not in RAM
+        in_ram, from_ram = self._take_host(miss)      # an expired cache row is not in RAM
         self.counters.lookup("ram", len(from_ram), n_miss - len(from_ram) - int((~fresh).sum()))
         ram_dead = self._expired(self.layout.meta(from_ram.packed))
         ram_live = in_ram.clone()
@@ -194,7 +204,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         if self.read_only:
             return
         cpu = keys.cpu()
-        absent = (self.cache.lookup(keys).cpu() < 0) & (self.ram.index.lookup(cpu) < 0)
+        absent = (self.cache.lookup(keys).cpu() < 0) & ~self._in_host(cpu)
         cand = np.sort(cpu[absent].numpy())
         self.io.submit(self._prefetch_job, cand)
 
@@ -210,6 +220,30 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         return clip
 
     # ---- tier movement -----------------------------------------------------------------
+    def _in_host(self, keys: torch.Tensor) -> torch.Tensor:
+        """Keys [n] (CPU) resident in RAM or the spill."""
+        found = self.ram.index.lookup(keys) >= 0
+        if self.spill is not None and len(self.spill):
+            found |= self.spill.index.lookup(keys) >= 0
+        return found
+
+    def _take_host(self, keys: torch.Tensor) -> tuple[torch.Tensor, Rows]:
+        """Remove the ones of sorted `keys` resident in RAM or the spill: (found [n], their
+        rows in key order). Spilled rows come back exactly as RAM rows would."""
+        in_ram, rows = self.ram.take(keys)
+        if self.spill is None or not len(self.spill):
+            return in_ram, rows
+        rest = torch.nonzero(~in_ram).view(-1)
+        in_spill, spilled = self.spill.take(keys[rest])
+        if not len(spilled):
+            return in_ram, rows
+        self.counters.add(spill_hits=len(spilled))
+        found = in_ram.clone()
+        found[rest[in_spill]] = True
+        pos = torch.cat([torch.nonzero(in_ram).view(-1), rest[in_spill]])
+        both = Rows.cat([rows, spilled], self.layout, torch.device("cpu"))
+        return found, both.select(torch.argsort(pos))
+
     def _wait(self) -> Staged | None:
         self.counters.add(prefetch_wait_seconds=self.io.wait())
         staged, self._staged = self._staged, None
@@ -306,7 +340,14 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self.counters.evicted("cache_to_ram", len(demoted))
         pushed = self.ram.put(demoted)
         self.counters.evicted("ram_to_disk", len(pushed))
-        return pushed
+        if self.spill is None:
+            return pushed
+        dirty = pushed.select(pushed.dirty)
+        self.counters.add(clean_rows_dropped=len(pushed) - len(dirty), rows_spilled=len(dirty))
+        out = self.spill.drain(len(dirty))
+        self.spill.put(dirty)
+        self.disk.mapped.trim_if_over()
+        return out
 
     def _expire_resident(self, protect: torch.Tensor) -> list[Rows]:
         """Reclaim expired cache and RAM rows (every ttl_steps/16 steps). Only space: `prepare`
@@ -322,10 +363,13 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
             gone = self.cache.remove(torch.nonzero(mask & occupied).view(-1)).to(torch.device("cpu"))
             self.counters.evicted(reason, len(gone))
             out.append(gone)
-        for reason, gone in zip(("ttl_steps", "ttl_seconds"),
-                                self.ram.expire(self.clock, self.newest_event_ms, ttl, ttl_s)):
-            self.counters.evicted(reason, len(gone))
-            out.append(gone)
+        for tier in (self.ram, self.spill):
+            if tier is None:
+                continue
+            for reason, gone in zip(("ttl_steps", "ttl_seconds"),
+                                    tier.expire(self.clock, self.newest_event_ms, ttl, ttl_s)):
+                self.counters.evicted(reason, len(gone))
+                out.append(gone)
         return out
 
     def _write_behind(self, pushed: Rows, expired_rows: list[Rows]) -> None:
@@ -349,7 +393,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self._disk_rows, self._disk_bytes = self.disk.entries(), self.disk.used_bytes()
 
     def _resident(self, keys: torch.Tensor) -> torch.Tensor:
-        return (self.cache.lookup(keys.to(self.device)).cpu() >= 0) | (self.ram.index.lookup(keys) >= 0)
+        return (self.cache.lookup(keys.to(self.device)).cpu() >= 0) | self._in_host(keys)
 
     def _sweep_job(self, clock: int, newest_event_ms: int) -> None:
         over = self._disk_rows - self.plan.disk_rows
@@ -387,6 +431,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
             raise StoreError("a read-only store cannot be checkpointed")
         self._start()
         self._wait_keep_staged()
+        self._drain_spill()
         cslots = torch.nonzero(self.cache.dirty & (self.cache.slot_keys >= 0)).view(-1)
         rslots = self.ram.dirty_slots()
         rows = Rows.cat([Rows(self.cache.slot_keys[cslots].cpu(), self.cache.pack(cslots).cpu(),
@@ -407,6 +452,15 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
                 "newest_event_ms": self.newest_event_ms, "dim": self.dim,
                 # Where the next disk sweep starts: a resumed run sweeps the same rows.
                 "sweep_from": self._sweep_from, "sketch": self.sketch.state_dict()}
+
+    def _drain_spill(self) -> None:
+        """Write every spilled row to LMDB (in the open generation, in key order, one
+        transaction per chunk): what a checkpoint commits must include them."""
+        if self.spill is None:
+            return
+        for part in self.spill.drain_all():
+            self.counters.add(rows_written_back=len(part))
+            self._write_job(wb.put_batch(part, self.layout, self.disk.open_generation))
 
     def _wait_keep_staged(self) -> None:
         staged = self._wait()
@@ -430,6 +484,9 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
             rollback(self.disk, gen, nonce)
             self.cache = DeviceCache(self._cache_rows, self.layout, self.device)
             self.ram = HostTier(self._ram_rows, self.layout, self.cfg.policy)
+            if self.spill is not None:
+                self.spill.close()
+                self.spill = self._new_spill()
         self.clock, self.newest_event_ms = int(state["clock"]), int(state["newest_event_ms"])
         self.sketch.load_state_dict(state["sketch"])
         self._sweep_from = int(state.get("sweep_from", 0))     # older checkpoints lack it
@@ -438,5 +495,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
 
     def close(self) -> None:
         self.io.close()
+        if self.spill is not None:
+            self.spill.close()
         if self.disk is not None:
             self.disk.close()

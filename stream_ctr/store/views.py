@@ -29,6 +29,8 @@ class TieredReads:
         idx = torch.nonzero(~hit).view(-1)
         rest = keys[idx].cpu()
         in_ram, packed = self.ram.peek(rest)
+        if self.spill is not None and len(self.spill):
+            in_ram, packed = self._peek_spill(rest, in_ram, packed)
         ram_idx = idx[in_ram.to(self.device)]
         out[ram_idx] = self.layout.floats(packed)[:, :cols].to(self.device)
         expired.append(ram_idx[self._expired(self.layout.meta(packed)).to(self.device)])
@@ -45,12 +47,23 @@ class TieredReads:
         out[absent] = init_rows(keys[absent], self.dim, self.init_std, self.seed)
         return out
 
+    def _peek_spill(self, keys: torch.Tensor, in_ram: torch.Tensor,
+                    packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RAM's (found, rows) of sorted `keys` completed with the spill's, in key order."""
+        rest = torch.nonzero(~in_ram).view(-1)
+        in_spill, spilled = self.spill.peek(keys[rest])
+        found = in_ram.clone()
+        found[rest[in_spill]] = True
+        pos = torch.cat([torch.nonzero(in_ram).view(-1), rest[in_spill]])
+        return found, torch.cat([packed, spilled])[torch.argsort(pos)]
+
     def __len__(self) -> int:
         """Rows held: on disk, plus resident rows that have no disk copy yet."""
         self._wait_keep_staged()
         live = self.cache.slot_keys >= 0
         in_cache = int((live & (self.cache.meta[:, WRITE_GEN] < 0)).sum())
-        return (self.disk.entries() if self.disk else 0) + in_cache + self.ram.without_disk_copy()
+        spilled = self.spill.without_disk_copy() if self.spill is not None else 0
+        return (self.disk.entries() if self.disk else 0) + in_cache + self.ram.without_disk_copy() + spilled
 
     def export(self) -> tuple[np.ndarray, np.ndarray]:
         """Every row (keys sorted, packed rows), the live copy of each: for tests and tools.
@@ -64,8 +77,9 @@ class TieredReads:
             if start == 0:
                 break
         cs = self.cache.resident()
-        rk = [self.cache.slot_keys[cs].cpu().numpy(), self.ram.slot_keys[self.ram.slot_keys >= 0].numpy()]
-        rr = [self.cache.pack(cs).cpu().numpy(), self.ram.rows[self.ram.slot_keys >= 0].numpy()]
+        hosts = [t for t in (self.ram, self.spill) if t is not None]
+        rk = [self.cache.slot_keys[cs].cpu().numpy()] + [t.slot_keys[t.slot_keys >= 0].numpy() for t in hosts]
+        rr = [self.cache.pack(cs).cpu().numpy()] + [t.rows[t.slot_keys >= 0].numpy() for t in hosts]
         dk = np.concatenate(keys) if keys else np.zeros(0, np.int64)
         on_disk_only = ~np.isin(dk, np.concatenate(rk))
         allk = np.concatenate([dk[on_disk_only]] + rk)
@@ -78,7 +92,8 @@ class TieredReads:
     def stats(self) -> dict:
         """Counters (see stats.py) and gauges; plain attribute reads, never blocks."""
         out = self.counters.as_dict()
-        out["rows"] = {"cache": len(self.cache.index), "ram": len(self.ram.index), "disk": self._disk_rows}
+        out["rows"] = {"cache": len(self.cache.index), "ram": len(self.ram.index), "disk": self._disk_rows,
+                       "spill": len(self.spill) if self.spill is not None else 0}
         out["bytes"] = {"cache": len(self.cache.index) * self.plan.cache_row_bytes,
                         "ram": len(self.ram.index) * self.plan.ram_row_bytes, "disk": self._disk_bytes}
         out["capacity_rows"] = {"cache": self.plan.cache_rows, "ram": self.plan.ram_rows,

@@ -58,10 +58,11 @@ def test_bench_train_profiles_steps_after_the_timed_pass(capsys):
 
 
 def test_bench_train_alternates_the_memory_and_the_tiered_store_and_reports_the_tiers(capsys):
-    # A cache of ~1.2 worst-case working sets and a RAM tier of ~4,000 rows: rows spill to LMDB.
+    # A cache of ~1.2 worst-case working sets, a RAM tier of ~4,000 rows and a spill of
+    # ~1,600: rows go down to LMDB.
     assert main(["bench", "train", "--records", "6000", "--batch-sizes", "256", "--threads", "1",
                  "--store", "memory,tiered", "--cache-bytes", "3MiB", "--ram-bytes", "1MiB",
-                 "--repeats", "2", "--json", "--quiet"]) == 0
+                 "--spill-bytes", "256KiB", "--repeats", "2", "--json", "--quiet"]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert [r["store"] for r in rows] == ["memory", "tiered", "memory", "tiered"]      # A, B, A, B
     for memory, tiered in (rows[0:2], rows[2:4]):
@@ -70,7 +71,7 @@ def test_bench_train_alternates_the_memory_and_the_tiered_store_and_reports_the_
             tiered["samples_per_s_excl_decode"] / memory["samples_per_s_excl_decode"])
         c = tiered["store_counters"]
         assert 0 < c["hit_rate"]["cache"] < 1 and c["lmdb_written_rows"] > 0 and c["lmdb_read_rows"] > 0
-        assert c["prefetch_wait_s"] >= 0
+        assert c["prefetch_wait_s"] >= 0 and c["rows_spilled"] > c["rows_written_back"] > 0
     assert main(["bench", "train", "--records", "3000", "--store", "disk", "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--store" in err[0]

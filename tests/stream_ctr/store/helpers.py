@@ -23,7 +23,8 @@ LAYOUT = RowLayout(10)
 def small_config(run_dir: Path, tiered: bool, cache_batches: float = 2.0, ram_rows: int = 3000,
                  **store) -> Config:
     """DeepFM with a small MLP on batches of 128; a tiered store with a device cache of
-    `cache_batches` worst-case working sets, `ram_rows` RAM rows, the rest in LMDB."""
+    `cache_batches` worst-case working sets, `ram_rows` RAM rows, a spill of 1,500 rows
+    (so that it drains to LMDB every few batches), the rest in LMDB."""
     cfg = Config()
     cfg.model.mlp_dims = (32, 32)
     cfg.data.batch_size = BATCH
@@ -35,6 +36,7 @@ def small_config(run_dir: Path, tiered: bool, cache_batches: float = 2.0, ram_ro
         cfg.store.cache_bytes = int(cache_batches * BATCH * CRITEO_FIELDS * DeviceCache.bytes_per_row(LAYOUT))
         cfg.store.ram_bytes = ram_rows * HostTier.bytes_per_row(LAYOUT)
         cfg.store.disk_bytes = 64 << 20
+        cfg.store.spill_bytes = 1500 * LAYOUT.row_bytes
         for k, v in store.items():
             setattr(cfg.store, k, v)
     return cfg
@@ -78,8 +80,9 @@ OPTIM = OptimConfig()
 
 
 def tiny_store(tmp: Path, cache_rows: int, ram_rows: int, disk_rows: int = 10_000, keep: int = 3,
-               **store):
-    """A TieredEmbeddingStore with exact row capacities, for scripted traces."""
+               spill_rows: int = 0, **store):
+    """A TieredEmbeddingStore with exact row capacities, for scripted traces (no spill
+    unless asked: RAM's dirty rows then go straight to LMDB)."""
     import dataclasses
 
     from stream_ctr.config import ModelConfig, StoreConfig
@@ -90,7 +93,8 @@ def tiny_store(tmp: Path, cache_rows: int, ram_rows: int, disk_rows: int = 10_00
         setattr(cfg, k, v)
     model = ModelConfig()
     plan = make_plan(cfg, model, batch_size=1, n_fields=1, store_dir=str(tmp / "store"))
-    plan = dataclasses.replace(plan, cache_rows=cache_rows, ram_rows=ram_rows, disk_rows=disk_rows)
+    plan = dataclasses.replace(plan, cache_rows=cache_rows, ram_rows=ram_rows, disk_rows=disk_rows,
+                               spill_rows=spill_rows)
     return TieredEmbeddingStore(plan, cfg, model, seed=7, device="cpu", keep_checkpoints=keep)
 
 
@@ -106,12 +110,14 @@ def step(store, keys: list[int], counts: list[int] | None = None, update: bool =
 
 
 def where(store, key: int) -> str:
-    """Tier holding `key` (after the I/O thread caught up): cache, ram, disk or none."""
+    """Tier holding `key` (after the I/O thread caught up): cache, ram, spill, disk or none."""
     store.io.wait()
     k = torch.tensor([key])
     if store.cache.lookup(k).item() >= 0:
         return "cache"
     if store.ram.index.lookup(k).item() >= 0:
         return "ram"
+    if store.spill is not None and store.spill.index.lookup(k).item() >= 0:
+        return "spill"
     found, _ = store.disk.get(np.array([key]))
     return "disk" if found[0] else "none"

@@ -94,7 +94,7 @@ def test_full_disk_is_a_one_line_error_and_the_checkpoint_survives(tmp_path):
     args = ["train", "criteo:sample", "--run-dir", str(run_dir), "--batch-size", "128",
             "--set", "model.mlp_dims=32,32", "--threads", "1", "--quiet", "--device", "cpu",
             "--cache-bytes", str(2 * 128 * 39 * 238), "--ram-bytes", str(3000 * 241),
-            "--disk-bytes", "64MiB", "--checkpoint-every", "4"]
+            "--disk-bytes", "64MiB", "--checkpoint-every", "4", "--set", "store.spill_bytes=256KiB"]
     # Enough for the checkpoints and the first LMDB pages, not for the table.
     child = subprocess.run([sys.executable, "-c", FULL_DISK, "x", str(3 << 20)] + args, cwd=REPO,
                            capture_output=True, text=True, timeout=300)

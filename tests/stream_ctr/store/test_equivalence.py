@@ -1,4 +1,5 @@
 """Model quality does not depend on where a row lives: tiny tiers == one big table, bit for bit."""
+import pytest
 import torch
 
 from stream_ctr.train.checkpoint import load_checkpoint
@@ -6,7 +7,7 @@ from stream_ctr.train.batches import LookAhead
 from stream_ctr.train.inputs import ready_events
 from stream_ctr.train.loop import configure_torch, train
 from stream_ctr.train.trainer import Trainer
-from tests.stream_ctr.store.helpers import (assert_same_rows, criteo_batches, lmdb_rows,
+from tests.stream_ctr.store.helpers import (LAYOUT, assert_same_rows, criteo_batches, lmdb_rows,
                                             small_config, sorted_memory_rows)
 
 
@@ -18,17 +19,25 @@ def run_steps(cfg, batches, lookahead):
     return trainer, torch.cat(probs)
 
 
-def test_tiny_tiers_train_bit_identical_to_one_table(tmp_path):
+@pytest.mark.parametrize("spill_rows", [1500, 0])
+def test_tiny_tiers_train_bit_identical_to_one_table(tmp_path, spill_rows):
     batches = criteo_batches(60, tmp=tmp_path)
     mem, mem_probs = run_steps(small_config(tmp_path / "mem", tiered=False), batches, False)
-    # Device cache of 2 worst-case working sets, 3000 rows of RAM, the rest in LMDB.
-    tier, tier_probs = run_steps(small_config(tmp_path / "tier", tiered=True), batches, True)
+    # Device cache of 2 worst-case working sets, 3000 rows of RAM, a spill of 1500 rows
+    # (or none), the rest in LMDB.
+    cfg = small_config(tmp_path / "tier", tiered=True, spill_bytes=spill_rows * LAYOUT.row_bytes)
+    tier, tier_probs = run_steps(cfg, batches, True)
     store = tier.store
     stats = store.stats()
     # The tiers were really used: rows went down to disk and came back up.
     assert stats["evictions"]["ram_to_disk"] > 5000 and stats["rows_written_back"] > 5000
     assert stats["lookups"]["disk"]["hit"] > 1000 and stats["lookups"]["ram"]["hit"] > 500
     assert stats["prefetched_rows"] > 0
+    if spill_rows:          # and through the spill, both ways
+        assert stats["rows_spilled"] > 5000 and stats["spill_hits"] > 100
+        assert 0 < stats["rows"]["spill"] <= spill_rows
+    else:
+        assert stats["rows_spilled"] == 0 and store.spill is None
 
     assert torch.equal(mem_probs, tier_probs)           # prequential scores, every step
     for a, b in zip(mem.model.state_dict().values(), tier.model.state_dict().values()):

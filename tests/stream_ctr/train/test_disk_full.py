@@ -81,7 +81,8 @@ def test_a_full_store_disk_during_a_tier_flush_stops_cleanly_and_the_run_resumes
     """The tiered store's LMDB tier on the 20 MiB disk (it needs ~41 MiB for the sample)."""
     run_dir = tmp_path / "run"
     tiered = ["--set", "store.kind=tiered", "--set", f"store.store_dir={small_disk / 'store'}",
-              "--set", "store.ram_bytes=1MiB", "--set", "store.cache_bytes=600KiB"]
+              "--set", "store.ram_bytes=1MiB", "--set", "store.cache_bytes=600KiB",
+              "--set", "store.spill_bytes=1MiB"]
     first = _train("--run-dir", str(run_dir), "--checkpoint-every", "20", *tiered)
     assert first.returncode != 0
     error = [l for l in first.stderr.splitlines() if l.strip()][-1]
