@@ -55,11 +55,19 @@ class HostTier:
         found = slots >= 0
         return found, self._remove(slots[found])
 
-    def _remove(self, slots: torch.Tensor) -> Rows:
-        rows = Rows(self.slot_keys[slots], self.rows[slots], self.dirty[slots].clone())
-        self.index.remove(rows.keys)
+    def copy(self, slots: torch.Tensor) -> Rows:
+        """The rows in `slots`, copied; nothing moves."""
+        return Rows(self.slot_keys[slots], self.rows[slots], self.dirty[slots].clone())
+
+    def drop(self, slots: torch.Tensor) -> None:
+        """Free `slots` (their rows were copied out and now live elsewhere)."""
+        self.index.remove(self.slot_keys[slots])
         self.slot_keys[slots] = -1
         self.dirty[slots] = False
+
+    def _remove(self, slots: torch.Tensor) -> Rows:
+        rows = self.copy(slots)
+        self.drop(slots)
         return rows
 
     def put(self, incoming: Rows) -> Rows:

@@ -20,9 +20,14 @@ generation (with its nonce and the store id) for the checkpoint manifest.
 crash: exactly the last checkpoint (see lmdb_tier.py); rows demoted since are
 undone on resume.
 
-Threads: the training thread does all tier bookkeeping; one I/O thread runs
-LMDB writes, disk sweeps and the prefetch of the next batch, in order, and
-`prepare` blocks (measured: `prefetch_wait_seconds`) until it is idle.
+Threads: the training thread owns the device cache (lookups, evictions,
+fills). One I/O thread runs, in order and while the step trains, everything
+below it: demoted rows into RAM, RAM's into the spill, the spill's and expired
+rows' changes into LMDB, disk sweeps, and the gathering of the next batch's
+rows from RAM, the spill and LMDB (`Staged`). `prepare` first blocks until
+that thread is idle (measured: `prefetch_wait_seconds`), so the two never
+touch RAM or the spill at once; outside `prepare`, only the read-only views
+and a checkpoint (which waits first) touch them.
 """
 from __future__ import annotations
 
@@ -57,10 +62,17 @@ SWEEP_MIN_ROWS = 65536
 
 @dataclass
 class Staged:
-    """The disk part of the next batch's working set, read ahead by the I/O thread."""
-    keys: np.ndarray        # sorted keys that were in neither cache nor RAM
-    found: np.ndarray       # bool per key
-    rows: np.ndarray        # packed rows of the found keys
+    """The next batch's rows outside the device cache, gathered by the I/O thread while
+    the current step trained: `prepare` then only drops the host copies by slot and
+    installs the rows. Valid while RAM and the spill are untouched by anything but the
+    I/O thread's jobs (a checkpoint drops the host part, see `state_dict`)."""
+    keys: torch.Tensor | None   # sorted keys the cache did not hold (CPU); None: no host part
+    ram_slots: torch.Tensor     # per key, its RAM slot or -1
+    spill_slots: torch.Tensor   # per key, its spill slot or -1
+    host: Rows                  # copies of those RAM and spill rows, in key order
+    disk_keys: np.ndarray       # sorted keys in neither
+    found: np.ndarray           # bool per disk key
+    rows: np.ndarray            # packed rows of the found disk keys
 
 
 class TieredEmbeddingStore(TieredReads, EmbeddingStore):
@@ -139,7 +151,10 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         n_miss = miss.numel()
         fresh = ~dead[miss_idx].cpu()                 # missed the cache (not expired there)
 
-        in_ram, from_ram = self._take_host(miss)      # an expired cache row is not in RAM
+        if staged is not None and staged.keys is not None and torch.equal(staged.keys, miss):
+            in_ram, from_ram = self._take_staged(staged)
+        else:                                         # no look-ahead, or TTL removed cache rows
+            in_ram, from_ram = self._take_host(miss)  # an expired cache row is not in RAM
         self.counters.lookup("ram", len(from_ram), n_miss - len(from_ram) - int((~fresh).sum()))
         ram_dead = self._expired(self.layout.meta(from_ram.packed))
         ram_live = in_ram.clone()
@@ -173,7 +188,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         write_gen, rejected_stale = self._expired_rows(stale, new_keys, admit)
 
         # Make room, then fill: RAM rows, disk rows, new rows, transient rows.
-        pushed = self._make_room(n_miss, protect=slots[slots >= 0])
+        demoted = self._make_room(n_miss, protect=slots[slots >= 0])
         parts = [from_ram, Rows(torch.from_numpy(disk_keys), torch.from_numpy(disk_rows),
                                 torch.zeros(len(disk_keys), dtype=torch.bool)),
                  self._new_rows(new_keys[admit], dirty=True, write_gen=write_gen[admit])]
@@ -195,18 +210,15 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self.cache.dirty[slots[~self.cache.transient[slots]]] = True
 
         expired_rows = self._expire_resident(protect=slots)
-        self._write_behind(pushed, expired_rows + [rejected_stale])
+        self._write_behind(demoted, expired_rows + [rejected_stale])
         return slots
 
     def prefetch(self, keys: torch.Tensor) -> None:
-        """Read ahead, on the I/O thread, the disk rows of the next batch's unique keys."""
+        """Gather, on the I/O thread while this step trains, the next batch's rows outside the
+        cache: copies from RAM and the spill, reads from LMDB (see `Staged`)."""
         refuse_negative_keys(keys)
-        if self.read_only:
-            return
-        cpu = keys.cpu()
-        absent = (self.cache.lookup(keys).cpu() < 0) & ~self._in_host(cpu)
-        cand = np.sort(cpu[absent].numpy())
-        self.io.submit(self._prefetch_job, cand)
+        if not self.read_only:
+            self.io.submit(self._prefetch_job, keys)
 
     def update(self, slots: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor,
                step: int, optim: OptimConfig) -> ClipStats:
@@ -226,6 +238,15 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         if self.spill is not None and len(self.spill):
             found |= self.spill.index.lookup(keys) >= 0
         return found
+
+    def _take_staged(self, staged: Staged) -> tuple[torch.Tensor, Rows]:
+        """`_take_host` from what the I/O thread gathered: drop the copies' slots."""
+        in_ram, in_spill = staged.ram_slots >= 0, staged.spill_slots >= 0
+        self.ram.drop(staged.ram_slots[in_ram])
+        if self.spill is not None:
+            self.spill.drop(staged.spill_slots[in_spill])
+        self.counters.add(spill_hits=int(in_spill.sum()))
+        return in_ram | in_spill, staged.host
 
     def _take_host(self, keys: torch.Tensor) -> tuple[torch.Tensor, Rows]:
         """Remove the ones of sorted `keys` resident in RAM or the spill: (found [n], their
@@ -254,9 +275,9 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         found = np.zeros(len(keys), dtype=bool)
         rows = np.zeros((len(keys), self.layout.row_bytes), np.uint8)
         todo = np.ones(len(keys), dtype=bool)
-        if staged is not None and len(staged.keys) and len(keys):
-            pos = np.searchsorted(staged.keys, keys).clip(max=len(staged.keys) - 1)
-            todo = staged.keys[pos] != keys
+        if staged is not None and len(staged.disk_keys) and len(keys):
+            pos = np.searchsorted(staged.disk_keys, keys).clip(max=len(staged.disk_keys) - 1)
+            todo = staged.disk_keys[pos] != keys
             row_of = np.cumsum(staged.found) - 1
             got = ~todo & staged.found[pos]
             rows[got] = staged.rows[row_of[pos[got]]]
@@ -271,11 +292,24 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
                               lmdb_read_seconds=time.perf_counter() - t0)
         return found, rows[found]
 
-    def _prefetch_job(self, keys: np.ndarray) -> None:
+    def _prefetch_job(self, keys: torch.Tensor) -> None:
+        """Runs after this step's demotions (same thread, in order): sees RAM and the spill
+        as the next `prepare` will. The cache's membership does not change before then."""
+        cand = keys[self.cache.lookup(keys) < 0].cpu()
+        ram_slots = self.ram.index.lookup(cand)
+        spill_slots = torch.full_like(ram_slots, -1)
+        parts, pos = [self.ram.copy(ram_slots[ram_slots >= 0])], [torch.nonzero(ram_slots >= 0).view(-1)]
+        if self.spill is not None and len(self.spill):
+            rest = torch.nonzero(ram_slots < 0).view(-1)
+            spill_slots[rest] = self.spill.index.lookup(cand[rest])
+            parts.append(self.spill.copy(spill_slots[spill_slots >= 0]))
+            pos.append(torch.nonzero(spill_slots >= 0).view(-1))
+        host = Rows.cat(parts, self.layout, torch.device("cpu")).select(torch.argsort(torch.cat(pos)))
+        disk_keys = cand[(ram_slots < 0) & (spill_slots < 0)].numpy()
         t0 = time.perf_counter()
-        found, rows = self.disk.get(keys)
-        self._staged = Staged(keys, found, rows)
-        self.counters.add(prefetched_rows=len(keys), lmdb_read_rows=len(keys),
+        found, rows = self.disk.get(disk_keys)
+        self._staged = Staged(cand, ram_slots, spill_slots, host, disk_keys, found, rows)
+        self.counters.add(prefetched_rows=len(disk_keys), lmdb_read_rows=len(disk_keys),
                           lmdb_read_seconds=time.perf_counter() - t0)
 
     @property
@@ -332,22 +366,13 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
                     torch.full((n,), dirty, dtype=torch.bool))
 
     def _make_room(self, n: int, protect: torch.Tensor) -> Rows:
-        """Free `n` cache slots; returns the rows that left RAM for disk."""
+        """Free `n` cache slots; returns the demoted rows (the I/O thread puts them in RAM)."""
         short = n - self.cache.free
         if short <= 0:
             return Rows.cat([], self.layout, torch.device("cpu"))
         demoted = self.cache.evict(short, protect, self.cfg.policy).to(torch.device("cpu"))
         self.counters.evicted("cache_to_ram", len(demoted))
-        pushed = self.ram.put(demoted)
-        self.counters.evicted("ram_to_disk", len(pushed))
-        if self.spill is None:
-            return pushed
-        dirty = pushed.select(pushed.dirty)
-        self.counters.add(clean_rows_dropped=len(pushed) - len(dirty), rows_spilled=len(dirty))
-        out = self.spill.drain(len(dirty))
-        self.spill.put(dirty)
-        self.disk.mapped.trim_if_over()
-        return out
+        return demoted
 
     def _expire_resident(self, protect: torch.Tensor) -> list[Rows]:
         """Reclaim expired cache and RAM rows (every ttl_steps/16 steps). Only space: `prepare`
@@ -372,18 +397,34 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
                 out.append(gone)
         return out
 
-    def _write_behind(self, pushed: Rows, expired_rows: list[Rows]) -> None:
-        gen = self.disk.open_generation
-        dirty = pushed.select(pushed.dirty)
-        self.counters.add(rows_written_back=len(dirty), clean_rows_dropped=len(pushed) - len(dirty))
+    def _write_behind(self, demoted: Rows, expired_rows: list[Rows]) -> None:
         gone = Rows.cat(expired_rows, self.layout, torch.device("cpu"))
-        batch = wb.merge(wb.put_batch(dirty, self.layout, gen), wb.delete_batch(gone, self.layout, gen))
-        if len(batch):
-            self.io.submit(self._write_job, batch)
+        if len(demoted) or len(gone):
+            self.io.submit(self._demote_job, demoted, gone)
         if self._disk_rows > self.plan.disk_rows or self.cfg.ttl_steps or self.cfg.ttl_seconds:
             # The clocks of this step, not the ones when the job runs: the trainer observes
             # the next batch's event time before `prepare` waits for this thread.
             self.io.submit(self._sweep_job, self.clock, self.newest_event_ms)
+
+    def _demote_job(self, demoted: Rows, gone: Rows) -> None:
+        """On the I/O thread, while the step trains: demoted cache rows into RAM, the dirty
+        rows RAM pushes out into the spill (clean ones are dropped), and what the spill
+        drains, with the deletions of expired rows' disk copies, into LMDB."""
+        pushed = self.ram.put(demoted)
+        self.counters.evicted("ram_to_disk", len(pushed))
+        dirty = pushed.select(pushed.dirty)
+        self.counters.add(clean_rows_dropped=len(pushed) - len(dirty))
+        if self.spill is not None:
+            self.counters.add(rows_spilled=len(dirty))
+            drained = self.spill.drain(len(dirty))
+            self.spill.put(dirty)
+            dirty = drained
+        self.counters.add(rows_written_back=len(dirty))
+        gen = self.disk.open_generation
+        batch = wb.merge(wb.put_batch(dirty, self.layout, gen), wb.delete_batch(gone, self.layout, gen))
+        if len(batch):
+            self._write_job(batch)
+        self.disk.mapped.trim_if_over()
 
     def _write_job(self, batch: WriteBatch) -> None:
         t0 = time.perf_counter()
@@ -431,6 +472,8 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
             raise StoreError("a read-only store cannot be checkpointed")
         self._start()
         self._wait_keep_staged()
+        if self._staged is not None:    # RAM rows turn clean and the spill empties below
+            self._staged.keys = None
         self._drain_spill()
         cslots = torch.nonzero(self.cache.dirty & (self.cache.slot_keys >= 0)).view(-1)
         rslots = self.ram.dirty_slots()
