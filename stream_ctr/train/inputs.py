@@ -12,9 +12,12 @@ only this contract, never the kind of source:
   `kafka.stop_when_idle_s`, at the record limit, or on a stop signal.
 - `trained(batch)` after a batch trained; `snapshot()` the positions after
   everything trained, typed per kind (`FilePosition`: the next data line of the
-  file; `KafkaPositions`: per partition the next offset, with packed messages
-  and given-up partitions, connectors/kafka/positions.py); a checkpoint stores
-  their `to_checkpoint()` dict and `restore` (a resume) takes it back.
+  file; `KafkaPositions`: per partition the next offset to read and the rows of
+  a split packed message already trained, and the partitions given up,
+  connectors/kafka/positions.py); a checkpoint stores their `to_checkpoint()`
+  dict and `restore` (a resume) takes it back. Nothing else reads or writes
+  that dict: the Kafka source, the commit and a job's position exchange take
+  the typed positions.
 - `commit()` after a durable checkpoint (Kafka: the group's offsets; a file has
   none); `owned(batch)` drops rows a rebalance took after the batch was handed
   out; `end_pass(completed)` after the iterator ends.
@@ -132,10 +135,10 @@ class FileInput:
     keeps_polling = False
     peers_wanted = False
 
-    def handover_positions(self) -> Positions:
-        return {}
+    def handover_positions(self) -> None:
+        return None
 
-    def give_peer_positions(self, every_rank: list[Positions]) -> None:
+    def give_peer_positions(self, every_rank: list) -> None:
         """A rank's stripe is its own: nothing to take from the others."""
 
     # -- what the run asks before it starts --------------------------------------------
@@ -282,11 +285,11 @@ class KafkaInput:
         """This rank's consumer holds new partitions until the ranks exchange positions."""
         return self.source is not None and self.source.peers_wanted
 
-    def handover_positions(self) -> Positions:
+    def handover_positions(self) -> KafkaPositions:
         """Where this rank left the partitions it gave up in this run."""
-        return self.source.handover_positions() if self.source is not None else {}
+        return self.source.handover_positions() if self.source is not None else KafkaPositions({})
 
-    def give_peer_positions(self, every_rank: list[Positions]) -> None:
+    def give_peer_positions(self, every_rank: list[KafkaPositions]) -> None:
         """Every rank's hand-over positions: newly assigned partitions start no earlier
         than where any rank left them (connectors/kafka/source.py, "Ranks of a
         distributed job")."""
@@ -304,7 +307,7 @@ class KafkaInput:
         """The consumer (joining the group at the restored positions), opened once."""
         if self.source is None:
             from stream_ctr.connectors.kafka.source import KafkaSource
-            self.source = KafkaSource(self.url, positions=self._positions.to_checkpoint(), on_revoke=self._on_revoke,
+            self.source = KafkaSource(self.url, positions=self._positions, on_revoke=self._on_revoke,
                                       chunk_records=self.cfg.data.chunk_records,
                                       wait_for_peers=self.wait_for_peers, schema=declared_schema(self.cfg))
         return self.source
@@ -449,11 +452,11 @@ class KafkaInput:
     def snapshot(self) -> KafkaPositions:
         if self.source is None:
             return self._positions
-        return KafkaPositions.from_checkpoint(self.source.trained_positions)
+        return self.source.trained_positions
 
     def commit(self) -> None:
         if self.source is not None:
-            self.source.commit(self.snapshot().to_checkpoint())
+            self.source.commit(self.snapshot())
 
     def where(self) -> str:
         """Where the next batch starts, for a person: the first partitions' offsets."""
