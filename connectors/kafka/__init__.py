@@ -1,7 +1,7 @@
 """Kafka: consuming a topic into batches, producing into one, and their positions.
 
     source        KafkaSource: group membership, exactly-once hand-over, outages
-    listener      the rebalance listener run on kafka-python's IO thread
+    listener      the rebalance listener (kafka-python's IO thread; confluent: the polling thread)
     client        opening consumers (kafka-python, or confluent through `confluent`)
     confluent     librdkafka behind kafka-python's calls and errors
     decode        message values -> decoded rows (one line, packed lines, JSON)

@@ -37,21 +37,25 @@ assigned partitions stay paused (`peers_wanted`) until the job's next step
 exchanges every rank's `handover_positions` (`give_peer_positions`): each
 starts no earlier than the furthest position any rank of this run reached.
 
-Rebalances (exactly-once hand-over).  kafka-python calls the listener on its
-IO thread while the trainer's thread is blocked inside ``read()`` (poll), so
-no train step runs meanwhile.  On revocation the source drops every row of the
-revoked partitions it has not returned, then calls ``on_revoke(names,
-lost=False)``: the trainer drops the rows it holds but has not trained and
-writes a checkpoint; then the source commits the revoked partitions' trained
-positions *before* the group may hand them to another member.  Rows of a
+Rebalances (exactly-once hand-over).  kafka-python (3.x) calls the listener
+on its IO thread (``kafka-io-*``) while the trainer's thread is blocked inside
+``read()`` (its ``poll()`` waits for the coroutine that awaits the listener);
+the confluent backend calls it on the trainer's thread, inside that poll.
+Either way no train step runs meanwhile.  On revocation the source drops
+every row of the revoked partitions it has not returned, then calls
+``on_revoke(names, lost=False)``: the trainer drops the rows it holds but
+has not trained and writes a checkpoint; then the source commits the revoked
+partitions' trained positions *before* the group may hand them to another
+member.  Rows of a
 revoked partition are therefore trained by this trainer only up to that
 committed offset, and by the next owner only after it.  A *lost* membership
 (session expired, broker restarted) cannot commit: rows are dropped the same
 way, and the trained position stays in the checkpoints (and is where this
 trainer continues if the partition comes back).  Since every ``read()``
-polls, a rebalance waits at most one train step for this member.  The
-trainer's hook runs on kafka-python's IO thread (its caller is blocked), so a
-checkpoint written there must not need the caller's thread.
+polls, a rebalance waits at most one train step for this member.  With
+kafka-python the trainer's hook runs on its IO thread (the caller is blocked),
+so a checkpoint written there must not need the caller's thread; it also holds
+up that thread's heartbeats while it writes.
 
 Outages.  Mid-stream, an unreachable broker is retried with growing backoff
 (kafka-python reconnects by itself; the source probes and logs one clear line

@@ -22,14 +22,26 @@ only this contract, never the kind of source:
   none); `owned(batch)` drops rows a rebalance took after the batch was handed
   out; `end_pass(completed)` after the iterator ends.
 
-Rebalances: kafka-python calls its listener inside a poll, on the loop's thread,
-and the revoked partitions' offsets must be committed before that call returns
-(the next owner starts there). So the model trained from them must be durable
-first: a `KafkaInput` calls its `before_commit` (the single-process run's
-checkpoint) from the listener, and a distributed job, whose checkpoint is a
+Rebalances: the consumer's rebalance listener runs inside a poll, that is
+inside `KafkaSource.read()`, which only the loop's thread calls (from `events`
+or `poll_while_waiting`). With kafka-python (3.x) the listener itself runs on
+kafka-python's IO thread (``kafka-io-*``): the loop's thread is blocked in
+``poll()``, waiting without a timeout for the IO loop's group-join coroutine,
+which awaits the listener. With ``kafka.client = confluent``
+librdkafka calls it on the loop's thread, inside that poll. Either way no
+train step runs while it does. The revoked partitions' offsets must be
+committed before the listener returns (then the member rejoins and the group
+hands them to their next owner, who starts at the committed offset). So the
+model trained from them must be durable first: a `KafkaInput` calls its
+`before_commit` (the single-process run's checkpoint) from the listener, on
+whichever thread that is, and a distributed job, whose checkpoint is a
 collective, passes none and checkpoints at the next step all ranks agree on,
 when the `Revoked` event reaches it (its job manifest, not the group offsets, is
-what a resume trusts).
+what a resume trusts). The single-process checkpoint cannot wait for the loop's
+thread instead (post the event and rendezvous): that thread is blocked in the
+very poll that runs the listener until the listener returns, so it would never
+come; and a listener that returned first would let the group hand the
+partitions on before their offsets are committed.
 """
 from __future__ import annotations
 
@@ -257,8 +269,11 @@ class KafkaInput:
     def __init__(self, cfg: Config, url: KafkaUrl, trained_records: Callable[[], int],
                  before_commit: Callable[[], None] | None, wait_for_peers: bool = False) -> None:
         """`before_commit`: makes the model trained so far durable (a checkpoint); called
-        inside a rebalance, before the revoked partitions' offsets are committed. None:
-        the caller checkpoints when the `Revoked` event reaches it."""
+        inside a rebalance, before the revoked partitions' offsets are committed, from
+        the rebalance listener (kafka-python: on its IO thread while the loop's thread
+        is blocked in the poll; confluent: on the loop's thread; see the module), so it
+        must not need the loop's thread. None: the caller checkpoints when the
+        `Revoked` event reaches it."""
         self.cfg, self.url = cfg, url
         self.fmt = declared_schema(cfg) or url.options.record_format
         self.batcher: StreamBatcher | OffsetOrderBatcher = new_stream_batcher(cfg, url, trained_records)
@@ -313,11 +328,13 @@ class KafkaInput:
         return self.source
 
     def _on_revoke(self, partitions: list[str], lost: bool) -> None:
-        """The consumer's rebalance listener (inside a read, on the loop's thread): drop
-        the partitions' untrained rows (the next owner reads them; if that is this
-        member again, it continues at the trained position and reads them again), then,
-        unless the membership was lost, make the trained model durable before the
-        source commits their offsets."""
+        """The consumer's rebalance listener, inside a read (kafka-python: on its IO
+        thread while the loop's thread is blocked in that read's poll; confluent: on the
+        loop's thread; see the module): drop the partitions' untrained rows (the next
+        owner reads them; if that is this member again, it continues at the trained
+        position and reads them again), then, unless the membership was lost, make the
+        trained model durable before the source commits their offsets. The `Revoked`
+        event it queues reaches the loop with the read's next item."""
         gone = set(partitions)
         self.batcher.discard(partitions)
         self._ready = [b for b in (filter_partitions(b, gone) for b in self._ready) if len(b)]
