@@ -7,17 +7,19 @@ One LMDB environment in `store_dir` holds named databases:
     undo.<gen>      8-byte big-endian sequence number -> key + the row's value
                     before its first change in generation <gen> (key alone: absent)
 
-**Generations.** A checkpoint commits generation G: the dirty resident rows
-and the new generation number in ONE LMDB transaction (`commit_checkpoint`).
-Rows demoted between checkpoints are written straight into `rows`, each
-write transaction also appending to `undo.<G+1>` the previous value of every
+**Generations.** A checkpoint commits generation G: it writes the dirty
+resident rows like any other write (below), then the new generation number in
+one LMDB transaction of its own (`commit_checkpoint`). Rows demoted between
+checkpoints, and those of a checkpoint's flush, are written straight into
+`rows`, each write transaction also appending to `undo.<G+1>` the previous value of every
 key it changes for the first time in that generation. So at any moment
 `rows` + the undo logs of the generations after g give back the exact table
 of checkpoint g:
 
 * crash in the middle of any write, the checkpoint flush included: LMDB
   commits are atomic, the transaction is lost, `rows` is at its last commit,
-  and `rollback(G)` undoes what generation G+1 had written since;
+  and `rollback(G)` undoes what generation G+1 had written since (the flush's
+  committed transactions included);
 * crash after the checkpoint's LMDB commit but before its manifest was
   written: the manifest still names G-1, and `rollback(G-1)` applies
   undo.<G+1> then undo.<G>.

@@ -13,8 +13,8 @@ big table. TTL is one rule on a row's metadata: a row that is expired at this
 step is absent wherever it lives; the periodic cache/RAM scans
 (`_expire_resident`) and the disk sweep only reclaim the space of expired rows.
 
-`state_dict()` is the checkpoint: it flushes every dirty resident row and
-commits them with a new LMDB generation in one transaction, and returns the
+`state_dict()` is the checkpoint: it flushes every dirty resident row (the
+spill first) to LMDB, commits a new LMDB generation, and returns the
 generation (with its nonce and the store id) for the checkpoint manifest.
 `load_state_dict()` rolls LMDB back to that generation. What survives a
 crash: exactly the last checkpoint (see lmdb_tier.py); rows demoted since are
@@ -483,7 +483,12 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
                               torch.ones(rslots.numel(), dtype=torch.bool))],
                         self.layout, torch.device("cpu"))
         batch = wb.put_batch(rows, self.layout, self.disk.open_generation)
-        gen, nonce = commit_checkpoint(self.disk, batch)
+        # Written as write-behind is (transactions of chunk_rows keys, each logging undo),
+        # then the generation commits alone: a crash in between is undone like any
+        # write-behind, and one transaction of every dirty row made LMDB spill its dirty
+        # pages (440K rows at the end of a run: 4.2 s, against 1.5 s in chunks).
+        self.disk.apply(batch)
+        gen, nonce = commit_checkpoint(self.disk, WriteBatch())
         # Written: clean, with a disk copy of generation `gen`.
         self.cache.dirty[cslots] = False
         self.cache.meta[cslots, WRITE_GEN] = gen

@@ -37,6 +37,21 @@ if mode == "mid_flush":
             tier._write = write_then_die
         return orig(tier, batch)
     tiered.commit_checkpoint = crashing
+elif mode == "mid_flush_chunks":          # the 2nd checkpoint dies after 2 of its flush's commits
+    orig = tiered.TieredEmbeddingStore.state_dict
+    def crashing(self):
+        calls[0] += 1
+        if calls[0] == 2:
+            self.disk.chunk_rows = 50
+            commit, n = self.disk._commit, [0]
+            def commit_then_die(*a, **k):
+                n[0] += 1
+                if n[0] == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return commit(*a, **k)
+            self.disk._commit = commit_then_die
+        return orig(self)
+    tiered.TieredEmbeddingStore.state_dict = crashing
 else:                                     # the 2nd checkpoint's LMDB commit lands, its manifest not
     orig = loop.save_checkpoint
     def crashing(*a, **k):
@@ -59,7 +74,7 @@ def uninterrupted(tmp_path, batches):
     return load_checkpoint(cfg.train.run_dir).tensors["trainer"]
 
 
-@pytest.mark.parametrize("mode", ["mid_flush", "after_lmdb_commit"])
+@pytest.mark.parametrize("mode", ["mid_flush", "mid_flush_chunks", "after_lmdb_commit"])
 def test_crash_during_checkpoint_resumes_from_the_previous_one(tmp_path, mode):
     run_dir = tmp_path / "run"
     child = subprocess.run([sys.executable, "-c", CHILD, mode, str(run_dir)], cwd=REPO,
