@@ -106,7 +106,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         if self.read_only or self.plan.spill_rows <= 0:
             return None
         spill = SpillTier(self.plan.spill_rows, self.layout, self.plan.store_dir)
-        self.disk.mapped.watch(spill.path)      # its pages count in RSS like LMDB's
+        self.disk.mapped.allow(spill.capacity * self.layout.row_bytes)
         return spill
 
     def _open_disk(self, path: str) -> LmdbTier:
