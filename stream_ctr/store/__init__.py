@@ -6,14 +6,18 @@ Modules, one concern each:
     slot_index    vectorized key -> slot hash map with removal
     device_cache  the fixed-capacity cache on the training device
     host_tier     the RAM tier
+    spill_tier    the disk spill: dirty rows from RAM, on their way to LMDB in key order
+    mapped_pages  the bound on LMDB's mapped pages in RSS
     lmdb_tier     the LMDB tier, its undo logs and map growth
     generations   checkpoint commit, rollback, reading an old generation
     policies      LRU/LFU demotion, admission sketch, TTL
     writeback     what goes to LMDB and how old values are logged; disk sweeps
-    io_worker     the background thread (write-behind, sweeps, prefetch)
+    io_worker     the background thread (demotions below the cache, LMDB writes,
+                  sweeps, gathering the next batch's rows)
     plan          budgets -> rows per tier, refusal of impossible plans
     stats         counters for the metrics exporter
     tiered        TieredEmbeddingStore, tying them together
+    views         what reads a tiered store without moving rows (peek, export, stats)
     embedding     the store interface, row init, and the one-table in-memory store
     key_index     the vectorized uint64 key -> row hash map
     probe_cpu     the maps' lookups and inserts as compiled loops on the CPU
