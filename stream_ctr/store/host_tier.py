@@ -104,11 +104,12 @@ class HostTier:
 
     def expire(self, clock: int, newest_event_ms: int, ttl_steps: int,
                ttl_seconds: int) -> tuple[Rows, Rows]:
-        """Remove rows past their TTL: (expired by steps, expired by seconds)."""
-        by_steps, by_seconds = expired(self.meta(), clock, newest_event_ms, ttl_steps, ttl_seconds)
-        live = self.slot_keys >= 0
-        return (self._remove(torch.nonzero(by_steps & live).view(-1)),
-                self._remove(torch.nonzero(by_seconds & live).view(-1)))
+        """Remove rows past their TTL: (expired by steps, expired by seconds). Reads the
+        metadata of occupied slots only (the spill's empty slots are file pages)."""
+        live = torch.nonzero(self.slot_keys >= 0).view(-1)
+        by_steps, by_seconds = expired(self.layout.meta(self.rows[live]), clock, newest_event_ms,
+                                       ttl_steps, ttl_seconds)
+        return self._remove(live[by_steps]), self._remove(live[by_seconds])
 
     def dirty_slots(self) -> torch.Tensor:
         return torch.nonzero(self.dirty).view(-1)
@@ -118,5 +119,5 @@ class HostTier:
         self.meta()[slots, WRITE_GEN] = write_gen
 
     def without_disk_copy(self) -> int:
-        live = self.slot_keys >= 0
-        return int((live & (self.meta()[:, WRITE_GEN] < 0)).sum())
+        live = torch.nonzero(self.slot_keys >= 0).view(-1)
+        return int((self.layout.meta(self.rows[live])[:, WRITE_GEN] < 0).sum())
