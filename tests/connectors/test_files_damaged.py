@@ -224,7 +224,7 @@ def test_avazu_lines_are_counted_after_the_header(tmp_path):
 
 @pytest.mark.parametrize("name, data, fmt", [
     ("empty_criteo.tsv", b"", CRITEO),
-    ("empty_criteo.tsv.gz", gzip.compress(b""), CRITEO),
+    ("empty_criteo.tsv.gz", gzip.compress(b"", mtime=0), CRITEO),
     ("header_avazu.csv", None, AVAZU),
     ("header_avazu.csv.gz", None, AVAZU),
 ])
