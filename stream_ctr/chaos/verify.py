@@ -83,24 +83,47 @@ def dead_letter_topic(topic: str, reference: bool = False) -> str:
     return f"{topic}.{'reference-' if reference else ''}dead-letter"
 
 
-def dead_letters(bootstrap: str, topic: str, idle_ms: int = 4000, reference: bool = False) -> Counter:
-    """(partition, offset) of every record on `topic`'s dead-letter topic, counted."""
-    from kafka import KafkaConsumer
+def dead_letters(bootstrap: str, topic: str, quiet_s: float = 10.0, timeout_s: float = 120.0,
+                 reference: bool = False) -> Counter:
+    """(partition, offset) of every record on `topic`'s dead-letter topic, counted.
+
+    Read up to the end offsets the broker reports, then on until it hands over nothing
+    for `quiet_s` (tansu may report an end behind its log): a slow fetch on a loaded
+    machine must not end the read early and look like a dead letter lost.  A broker
+    that never reaches its reported end within `timeout_s` is an error, not a verdict."""
+    import time
+    from kafka import KafkaConsumer, TopicPartition
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                             auto_offset_reset="earliest", consumer_timeout_ms=idle_ms)
-    dead = dead_letter_topic(topic, reference)
-    partitions = consumer.partitions_for_topic(dead) or set()
-    from kafka import TopicPartition
-    tps = [TopicPartition(dead, p) for p in sorted(partitions)]
+                             auto_offset_reset="earliest")
     out: Counter = Counter()
-    if tps:
+    try:
+        dead = dead_letter_topic(topic, reference)
+        tps = [TopicPartition(dead, p) for p in sorted(consumer.partitions_for_topic(dead) or set())]
+        if not tps:
+            return out
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
-        for record in consumer:
-            value = json.loads(record.value)
-            out[(int(value["partition"]), int(value["offset"]))] += 1
-    consumer.close()
-    return out
+        ends = consumer.end_offsets(tps)
+        deadline, last_record = time.monotonic() + timeout_s, time.monotonic()
+        while True:
+            polled = consumer.poll(timeout_ms=500)
+            for records in polled.values():
+                for record in records:
+                    value = json.loads(record.value)
+                    out[(int(value["partition"]), int(value["offset"]))] += 1
+            now = time.monotonic()
+            if polled:
+                last_record = now
+            behind = [tp for tp in tps if consumer.position(tp) < ends[tp]]
+            if not behind and now - last_record >= quiet_s:
+                return out
+            if now > deadline:
+                raise RuntimeError(f"dead-letter topic {dead}: read up to "
+                                   f"{ {tp.partition: consumer.position(tp) for tp in behind} } of the "
+                                   f"reported ends { {tp.partition: ends[tp] for tp in behind} } in "
+                                   f"{timeout_s:.0f} s; the broker did not hand the rest over")
+    finally:
+        consumer.close()
 
 
 def readable_checkpoints(run_dir: Path) -> tuple[int, list[str]]:
@@ -139,6 +162,8 @@ def dead_letters_check(bad: dict[tuple[int, int], str], letters: Counter) -> Che
     return Check("dead letters (exactly once)", not missing and not foreign and not again,
                  f"{len(bad)} malformed, {len(missing)} missing, {len(foreign)} good ones dead-lettered, "
                  f"{len(again)} dead-lettered more than once"
+                 + (f" (missing (partition, offset): kind {dict(sorted((k, bad[k]) for k in missing)[:10])})"
+                    if missing else "")
                  + (f" ((partition, offset): times {dict(sorted(again.items())[:10])})" if again else ""))
 
 
