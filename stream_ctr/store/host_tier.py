@@ -24,9 +24,15 @@ class HostTier:
         # Evicting a chunk at once amortizes the O(capacity) victim selection.
         self.evict_chunk = int(capacity * evict_fraction)
         self.rows = layout.empty(capacity)
+        self._init_slots(capacity)
+
+    def _init_slots(self, capacity: int) -> None:
         self.slot_keys = torch.full((capacity,), -1, dtype=torch.int64)
         self.dirty = torch.zeros(capacity, dtype=torch.bool)
         self.index = SlotIndex(capacity)
+        # Free slots as a stack: taking n is O(n), not a scan of the whole tier per put.
+        self._free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64)
+        self._n_free = capacity
 
     @staticmethod
     def bytes_per_row(layout: RowLayout) -> int:
@@ -60,47 +66,75 @@ class HostTier:
         return Rows(self.slot_keys[slots], self.rows[slots], self.dirty[slots].clone())
 
     def drop(self, slots: torch.Tensor) -> None:
-        """Free `slots` (their rows were copied out and now live elsewhere)."""
+        """Free occupied `slots` (their rows were copied out and now live elsewhere)."""
         self.index.remove(self.slot_keys[slots])
         self.slot_keys[slots] = -1
         self.dirty[slots] = False
+        n = slots.numel()
+        self._free[self._n_free:self._n_free + n] = slots
+        self._n_free += n
+
+    def _take_free(self, n: int) -> torch.Tensor:
+        if n > self._n_free:
+            raise RuntimeError(f"{type(self).__name__} has {self._n_free} free slots, {n} needed")
+        self._n_free -= n
+        return self._free[self._n_free:self._n_free + n].clone()
+
+    def _place(self, incoming: Rows, dirty: torch.Tensor) -> None:
+        free = self._take_free(len(incoming))
+        self.rows[free] = incoming.packed
+        self.slot_keys[free] = incoming.keys
+        self.dirty[free] = dirty
+        self.index.insert(incoming.keys, free)
+
+    def _remove_dirty(self, slots: torch.Tensor) -> tuple[Rows, int]:
+        """Free `slots`; (copies of their dirty rows, how many clean ones were dropped): a
+        clean row's LMDB copy is current, so only dirty rows are worth copying out."""
+        dirty = self.dirty[slots]
+        keep = slots[dirty]
+        rows = Rows(self.slot_keys[keep], self.rows[keep], torch.ones(keep.numel(), dtype=torch.bool))
+        self.drop(slots)
+        return rows, slots.numel() - keep.numel()
 
     def _remove(self, slots: torch.Tensor) -> Rows:
         rows = self.copy(slots)
         self.drop(slots)
         return rows
 
-    def put(self, incoming: Rows) -> Rows:
-        """Insert rows (absent here); returns the rows pushed out to make room."""
+    def put(self, incoming: Rows) -> tuple[Rows, int]:
+        """Insert rows (absent here); returns (the dirty rows pushed out to make room, the
+        number of clean ones dropped: LMDB holds them)."""
         n = len(incoming)
-        if n == 0:
-            return Rows.cat([], self.layout, torch.device("cpu"))
         out: list[Rows] = []
+        clean = 0
+        if n == 0:
+            return Rows.cat([], self.layout, torch.device("cpu")), 0
         if n >= self.capacity:
             # More rows than the whole tier: everything resident leaves, and
             # the lowest-priority incoming rows go straight through.
-            out.append(self._remove(torch.nonzero(self.slot_keys >= 0).view(-1)))
+            rows, clean = self._remove_dirty(torch.nonzero(self.slot_keys >= 0).view(-1))
+            out.append(rows)
             prio = priority(self.layout.meta(incoming.packed), self.policy)
             through = select_victims(prio, incoming.keys, n - self.capacity)
             keep = torch.ones(n, dtype=torch.bool)
             keep[through] = False
-            out.append(incoming.select(through))
+            passed = incoming.select(through)
+            out.append(passed.select(passed.dirty))
+            clean += len(passed) - len(out[-1])
             incoming = incoming.select(keep)
         else:
             need = len(self) + n - self.capacity
             if need > 0:
-                out.append(self.evict(max(need, min(self.evict_chunk, len(self)))))
-        free = torch.nonzero(self.slot_keys < 0).view(-1)[: len(incoming)]
-        self.rows[free] = incoming.packed
-        self.slot_keys[free] = incoming.keys
-        self.dirty[free] = incoming.dirty
-        self.index.insert(incoming.keys, free)
-        return Rows.cat(out, self.layout, torch.device("cpu"))
+                rows, clean = self.evict(max(need, min(self.evict_chunk, len(self))))
+                out.append(rows)
+        self._place(incoming, incoming.dirty)
+        return Rows.cat(out, self.layout, torch.device("cpu")), clean
 
-    def evict(self, n: int) -> Rows:
+    def evict(self, n: int) -> tuple[Rows, int]:
+        """Remove the `n` lowest-priority rows: (their dirty rows, clean ones dropped)."""
         prio = priority(self.meta(), self.policy)
         prio[self.slot_keys < 0] = _INF
-        return self._remove(select_victims(prio, self.slot_keys, n))
+        return self._remove_dirty(select_victims(prio, self.slot_keys, n))
 
     def expire(self, clock: int, newest_event_ms: int, ttl_steps: int,
                ttl_seconds: int) -> tuple[Rows, Rows]:

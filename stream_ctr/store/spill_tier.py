@@ -43,7 +43,6 @@ from stream_ctr.store.device_cache import Rows
 from stream_ctr.store.errors import StoreError
 from stream_ctr.store.host_tier import HostTier
 from stream_ctr.store.layout import RowLayout
-from stream_ctr.store.slot_index import SlotIndex
 
 SPILL_FILE = "spill.bin"
 
@@ -60,9 +59,7 @@ class SpillTier(HostTier):
         self._map = self._open(self.path, max(1, capacity) * layout.row_bytes)
         self.rows = torch.from_numpy(
             np.frombuffer(self._map, dtype=np.uint8).reshape(max(1, capacity), layout.row_bytes))
-        self.slot_keys = torch.full((capacity,), -1, dtype=torch.int64)
-        self.dirty = torch.zeros(capacity, dtype=torch.bool)
-        self.index = SlotIndex(capacity)
+        self._init_slots(capacity)
         self._round, self._cursor = np.zeros(0, np.int64), 0
 
     @staticmethod
@@ -90,19 +87,10 @@ class SpillTier(HostTier):
         """RAM it takes (the rows are in the file): keys, flags and the index."""
         return self.capacity * 9 + self.index.nbytes
 
-    def put(self, incoming: Rows) -> Rows:
+    def put(self, incoming: Rows) -> None:
         """Insert dirty rows (absent here); the caller made room with `drain`."""
-        n = len(incoming)
-        if n == 0:
-            return Rows.cat([], self.layout, torch.device("cpu"))
-        free = torch.nonzero(self.slot_keys < 0).view(-1)[:n]
-        if free.numel() < n:
-            raise RuntimeError(f"spill has {free.numel()} free slots, {n} needed")
-        self.rows[free] = incoming.packed
-        self.slot_keys[free] = incoming.keys
-        self.dirty[free] = True
-        self.index.insert(incoming.keys, free)
-        return Rows.cat([], self.layout, torch.device("cpu"))
+        if len(incoming):
+            self._place(incoming, torch.ones(len(incoming), dtype=torch.bool))
 
     def drain(self, incoming: int) -> Rows:
         """Rows to write to LMDB now (in key order), so that `incoming` more rows fit."""

@@ -410,10 +410,9 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         """On the I/O thread, while the step trains: demoted cache rows into RAM, the dirty
         rows RAM pushes out into the spill (clean ones are dropped), and what the spill
         drains, with the deletions of expired rows' disk copies, into LMDB."""
-        pushed = self.ram.put(demoted)
-        self.counters.evicted("ram_to_disk", len(pushed))
-        dirty = pushed.select(pushed.dirty)
-        self.counters.add(clean_rows_dropped=len(pushed) - len(dirty))
+        dirty, clean = self.ram.put(demoted)
+        self.counters.evicted("ram_to_disk", len(dirty) + clean)
+        self.counters.add(clean_rows_dropped=clean)
         if self.spill is not None:
             self.counters.add(rows_spilled=len(dirty))
             drained = self.spill.drain(len(dirty))
