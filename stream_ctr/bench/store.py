@@ -353,6 +353,7 @@ def _raw_write(store, batch, acc: dict) -> None:
     for lo in range(0, len(keys), chunk):
         disk._retry(lambda: put(lo))          # grows the map like the store (rarely)
         disk.mapped.trim_if_over()
+    disk.note_put(keys)                       # the store's reads must find these rows
     acc["write_s"] += time.perf_counter() - t0
     acc["write_rows"] += len(keys)
 

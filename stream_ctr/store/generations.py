@@ -94,6 +94,7 @@ def rollback(tier: LmdbTier, gen: int, nonce: str = "") -> int:
 
     tier._retry(lambda: tier._commit(WriteBatch(), undo))
     tier.env.sync(True)
+    tier.forget_key_filter()            # the undo logs put deleted rows back
     tier.generation = gen
     if gen == 0:
         tier.undo_from = 2

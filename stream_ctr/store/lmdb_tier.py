@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import itertools
 import secrets
 import shutil
 from contextlib import contextmanager
@@ -59,6 +60,7 @@ import lmdb
 import numpy as np
 
 from stream_ctr.store.errors import StoreError
+from stream_ctr.store.key_filter import KeyFilter
 from stream_ctr.store.layout import RowLayout, decode_keys, encode_keys, items
 from stream_ctr.store.mapped_pages import MappedPages
 
@@ -71,6 +73,9 @@ _UNDO = b"undo."
 NONE, ABSENT, READ = 0, 1, 2     # how to log the old value of a written key
 _WRITE_FAILED = ("No space left", "Input/output error", "File too large", "quota")
 _WRITE_ERRNOS = (errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT)
+# A store holding more rows than this at open gets no key filter: building it reads
+# every leaf page of the table, which would hold up the start of a resumed run.
+FILTER_SCAN_MAX_ROWS = 32 << 20
 
 
 @contextmanager
@@ -114,7 +119,10 @@ class WriteBatch:
 class LmdbTier:
     def __init__(self, path: str | Path, layout: RowLayout, cap_bytes: int, keep: int,
                  read_only: bool = False, chunk_rows: int = 65536,
-                 initial_map_bytes: int = 64 << 20, mapped_bytes: int = 256 << 20) -> None:
+                 initial_map_bytes: int = 64 << 20, mapped_bytes: int = 256 << 20,
+                 filter_bits_log2: int | None = None) -> None:
+        """`filter_bits_log2`: the size of the key filter that lets `get` skip keys never
+        written (key_filter.py); None: none."""
         self.path, self.layout, self.cap_bytes = Path(path), layout, cap_bytes
         self.keep, self.read_only, self.chunk_rows = max(1, keep), read_only, chunk_rows
         if read_only and not (self.path / "data.mdb").exists():
@@ -145,6 +153,36 @@ class LmdbTier:
         self._seq = self._next_seq(self.generation + 1)
         self.view = None        # a generations.GenerationView when reading an old checkpoint
         self.mapped = MappedPages(self.path / "data.mdb", mapped_bytes)
+        self._filter_bits = None if read_only else filter_bits_log2
+        self._filter: KeyFilter | None = None       # built at the first `get` (`key_filter`)
+
+    # ---- the key filter ------------------------------------------------------------
+    def key_filter(self) -> KeyFilter | None:
+        """The filter of every key in `rows` (and of some deleted since), built from a scan
+        of the keys when first asked for; None without one, or when the table held more
+        than FILTER_SCAN_MAX_ROWS rows at the first ask (then every key is looked up)."""
+        if self._filter is None and self._filter_bits is not None:
+            if self.entries() > FILTER_SCAN_MAX_ROWS:
+                self._filter_bits = None
+                return None
+            f = KeyFilter(self._filter_bits)
+            with self.env.begin(db=self.rows_db) as txn, gc_paused():
+                keys = txn.cursor().iternext(keys=True, values=False)
+                while chunk := b"".join(itertools.islice(keys, 1 << 18)):
+                    f.add(decode_keys(chunk))
+                    self.mapped.trim_if_over()
+            self._filter = f
+        return self._filter
+
+    def note_put(self, keys: np.ndarray) -> None:
+        """Keys put into `rows` by a writer other than `apply` (a benchmark's raw writes)."""
+        if self._filter is not None:
+            self._filter.add(_i64(keys))
+
+    def forget_key_filter(self) -> None:
+        """After a change that did not go through `apply` (a rollback restores deleted rows):
+        the next `get` builds the filter again from the table."""
+        self._filter = None
 
     # ---- metadata -----------------------------------------------------------------
     def _meta(self, key: bytes) -> str | None:
@@ -215,8 +253,14 @@ class LmdbTier:
             return found, np.zeros((0, self.layout.row_bytes), np.uint8)
         if self.view is not None:
             return self.view.get(keys)
+        look = keys
+        key_filter = self.key_filter()
+        if key_filter is not None:
+            look = keys[key_filter.maybe(keys)]
+            if len(look) == 0:
+                return found, np.zeros((0, self.layout.row_bytes), np.uint8)
         with self.env.begin(db=self.rows_db) as txn:
-            fk, rows = self._getmulti(txn, keys)
+            fk, rows = self._getmulti(txn, look)
         found[np.searchsorted(keys, fk)] = True
         return found, rows
 
@@ -349,6 +393,7 @@ class LmdbTier:
             rows = np.array(b.put_rows, dtype=np.uint8, copy=True)
             rows[:, self.layout.meta_off + 24:].view(np.int64)[:, 0] = gen   # write_gen
             self.putmulti(txn, b.put_keys, rows)
+            self.note_put(b.put_keys)       # (an aborted transaction only adds false positives)
         # LMDB has no batched delete; deletions (TTL, disk budget) are the rare path.
         for k in encode_keys(b.del_keys):
             txn.delete(k, db=self.rows_db)
@@ -387,6 +432,7 @@ class LmdbTier:
         for lo in range(0, len(keys), 4 * self.chunk_rows):
             self._retry(lambda: put(lo))
             self.mapped.trim_if_over()
+        self.note_put(keys)
 
     def close(self) -> None:
         if self.view is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from stream_ctr.config import ConfigError, ModelConfig, StoreConfig
 from stream_ctr.store.device_cache import DeviceCache
 from stream_ctr.store.host_tier import HostTier
+from stream_ctr.store.key_filter import filter_bits_log2
 from stream_ctr.store.layout import RowLayout
 
 PAGE = 4096
@@ -61,12 +62,17 @@ class StorePlan:
     sketch_bytes: int         # admission count-min sketch (device)
     transfer_bytes: int       # per-batch buffers of rows moving between tiers, worst case
     store_dir: str
+    filter_bits_log2: int = 23  # the LMDB key filter (key_filter.py)
+
+    @property
+    def filter_bytes(self) -> int:
+        return 1 << (self.filter_bits_log2 - 3)
 
     @property
     def resident_bytes(self) -> int:
         """Memory the store's tiers allocate (device cache + RAM tier + sketch)."""
         return (self.cache_rows * self.cache_row_bytes + self.ram_rows * self.ram_row_bytes
-                + self.spill_index_bytes + self.sketch_bytes)
+                + self.spill_index_bytes + self.sketch_bytes + self.filter_bytes)
 
     @property
     def spill_index_bytes(self) -> int:
@@ -89,7 +95,8 @@ class StorePlan:
             f"  LMDB disk    {self.disk_rows:>14,} rows x ~{self.disk_row_bytes} B "
             f"(packed pages; {DISK_ROWS_FRACTION:.0%} of {f(self.disk_bytes)}, the rest for "
             "B-tree slack and undo logs)",
-            f"  plus per-batch transfer buffers <= {f(self.transfer_bytes)}"
+            f"  plus per-batch transfer buffers <= {f(self.transfer_bytes)}, a filter of LMDB's keys "
+            f"{f(self.filter_bytes)}"
             + (f", admission sketch {f(self.sketch_bytes)}" if self.sketch_bytes else ""),
         ])
 
@@ -127,4 +134,5 @@ def make_plan(store: StoreConfig, model: ModelConfig, batch_size: int, n_fields:
                      working_set_rows=working, spill_bytes=store.spill_bytes,
                      cache_bytes=store.cache_bytes, ram_bytes=store.ram_bytes,
                      disk_bytes=store.disk_bytes, sketch_bytes=sketch,
-                     transfer_bytes=3 * working * layout.row_bytes, store_dir=store_dir)
+                     transfer_bytes=3 * working * layout.row_bytes, store_dir=store_dir,
+                     filter_bits_log2=filter_bits_log2(disk_rows))

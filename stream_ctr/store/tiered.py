@@ -111,7 +111,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
 
     def _open_disk(self, path: str) -> LmdbTier:
         return LmdbTier(path, self.layout, self.plan.disk_bytes, self._keep, self.read_only,
-                        mapped_bytes=self.cfg.mapped_bytes)
+                        mapped_bytes=self.cfg.mapped_bytes, filter_bits_log2=self.plan.filter_bits_log2)
 
     @property
     def weight(self) -> torch.Tensor:                       # type: ignore[override]
