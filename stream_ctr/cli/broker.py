@@ -25,7 +25,9 @@ EPILOG = """examples:
 The broker keeps everything in memory: topics, records and committed offsets are
 gone when it stops. It is for trying stream-ctr, not for production traffic."""
 
-STOP_SIGNALS = ("SIGTERM", "SIGHUP")        # Ctrl-C (SIGINT) arrives as KeyboardInterrupt
+# Ctrl-C included explicitly: a process started in the background of a script inherits
+# SIGINT ignored, and would then never stop on `kill -INT`.
+STOP_SIGNALS = ("SIGTERM", "SIGHUP", "SIGINT")
 
 
 def add_broker_parser(sub: argparse._SubParsersAction,
