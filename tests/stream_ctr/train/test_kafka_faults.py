@@ -80,7 +80,9 @@ def train_args(url: str, run_dir: Path, *extra: str) -> list[str]:
 def trained_rows(log: Path) -> list[tuple[str, int]]:
     if not log.exists():
         return []
-    return [(p, int(o)) for p, o in (line.split() for line in log.read_text().splitlines())]
+    text = log.read_text()
+    lines = text.split("\n")[:-1]      # a last line without its line feed is still being written
+    return [(p, int(o)) for p, o in (line.split() for line in lines)]
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
