@@ -109,9 +109,12 @@ class PositionBook:
       line rejected, or empty) and whose rejects `read()` has handed out: a
       position that reaches one moves past it, or a partition ending in one
       would never look consumed (lag 1 forever, its bad records
-      dead-lettered again at every restart).  The trainer writes the rejects
-      a read() returns to the dead-letter sink before it checkpoints; until
-      read() returns them they wait in `no_rows_decoded`;
+      dead-lettered again at every restart).  Only once they are in the
+      dead-letter sink, though: until read() returns their rejects they wait in
+      `no_rows_decoded`, then in `no_rows_unwritten` until the trainer reports
+      them written (`rejects_written`).  A write that never lands (a stop while
+      the dead-letter broker is down) so leaves every position before them,
+      and a resumed run reads and dead-letters them again;
     - `released`: last trained position of partitions given up (a rebalance
       or a lost group) in this process, or in the run a checkpoint resumes.
       Checkpoints keep them, marked given up: the model holds those records,
@@ -127,6 +130,7 @@ class PositionBook:
     message_rows: dict[str, dict[int, int]] = field(default_factory=dict)
     no_rows: dict[str, set[int]] = field(default_factory=dict)
     no_rows_decoded: dict[str, list[int]] = field(default_factory=dict)
+    no_rows_unwritten: dict[str, list[int]] = field(default_factory=dict)
     released: dict[str, Position] = field(default_factory=dict)
 
     def own(self, name: str, position: Position) -> None:
@@ -147,7 +151,7 @@ class PositionBook:
             if name in self.trained:
                 out[name] = self.released[name] = self.trained[name]
             for table in (self.trained, self.returned, self.fetch_next, self.skip, self.message_rows,
-                          self.no_rows, self.no_rows_decoded):
+                          self.no_rows, self.no_rows_decoded, self.no_rows_unwritten):
                 table.pop(name, None)
         return out
 
@@ -170,12 +174,18 @@ class PositionBook:
             self.no_rows_decoded.setdefault(name, []).extend(empty.tolist())
 
     def rejects_handed_out(self) -> None:
-        """read() returns the rejects of everything decoded so far: positions may now
-        move past the messages that had no row."""
+        """read() returns the rejects of everything decoded so far (not yet written)."""
         for name, offsets in self.no_rows_decoded.items():
+            self.no_rows_unwritten.setdefault(name, []).extend(offsets)
+        self.no_rows_decoded.clear()
+
+    def rejects_written(self) -> None:
+        """The rejects read() handed out are in the dead-letter sink: positions may now
+        move past the messages that had no row."""
+        for name, offsets in self.no_rows_unwritten.items():
             if name in self.no_rows:
                 self.no_rows[name].update(offsets)
-        self.no_rows_decoded.clear()
+        self.no_rows_unwritten.clear()
         self._pass_empty(self.trained)
         self._pass_empty(self.returned)
 

@@ -257,6 +257,13 @@ class KafkaSource:
         self.stats.rejected += len(rejected)
         return batch, rejected
 
+    def rejects_written(self) -> None:
+        """The rejects `read` returned are in the dead-letter sink (on disk, or acknowledged
+        by the broker). Until this is called, no position moves past a message that
+        decoded to no row: a run that stops before its rejects are written checkpoints
+        before them, and its resume reads and dead-letters them again."""
+        self._book.rejects_written()
+
     @property
     def exhausted(self) -> bool:
         """A stream ends only after `options.stop_when_idle_s` without records

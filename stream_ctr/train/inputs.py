@@ -395,6 +395,7 @@ class KafkaInput:
                     monitor.on_read(chunk, rejected, time.perf_counter() - t0)
                 if not dead_letter_or_stop(dead_letter, rejected, stop):
                     return
+                source.rejects_written()
                 self._ready += batcher.add(chunk)
                 pending = batcher.pending_rows
                 if pending and (
@@ -432,6 +433,7 @@ class KafkaInput:
         chunk, rejected = self.source.read()
         monitor.on_read(chunk, rejected, time.perf_counter() - t0)
         dead_letter.write(rejected)
+        self.source.rejects_written()
         ready = self.batcher.add(chunk)
         self._ready += ready or []          # the offset-ordered batcher keeps its rows queued
 

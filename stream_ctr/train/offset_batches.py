@@ -331,6 +331,7 @@ def offset_ordered_batches(source: "KafkaSource", batcher: OffsetOrderBatcher, d
             monitor.on_read(chunk, rejected, time.perf_counter() - t0)
         if not dead_letter_or_stop(dead_letter, rejected, stop):
             return
+        source.rejects_written()
         batcher.add(chunk)
         if not len(chunk):
             yield IDLE                          # a caller that must not block takes a turn
