@@ -67,3 +67,35 @@ def test_the_batch_of_unsent_dead_letters_is_not_trained(kafka, dead_letter_with
     # 300 good rows would make a batch of 256; the rows read with the bad record are
     # dropped with it, so nothing past the record that was never dead-lettered trains.
     assert batches == []
+
+
+def test_a_bad_record_right_after_the_trained_rows_stays_ahead_of_the_positions(
+        kafka, dead_letter_with_its_broker_gone):
+    """Everything before the bad record trained, then the read that brings it cannot be
+    dead-lettered: the positions a stop checkpoints must stay at the bad record (a resume
+    reads and dead-letters it), not move past it as if it had been written."""
+    lines = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:100]
+    topic = kafka.topic()
+    kafka.produce(topic, lines)
+    cfg = Config()
+    cfg.data.source, cfg.data.batch_size, cfg.data.max_batch_delay_s = kafka.url(topic, "stop-at"), 100, 1e9
+    url = parse_kafka_url(cfg.data.source, kafka_test_options(stop_when_idle_s=60))
+    source = KafkaInput(cfg, url, trained_records=lambda: 0, before_commit=None)
+    stop = StopSignal()
+
+    class Sink:
+        """The sink of a healthy broker until the bad record comes, then one gone."""
+        def write(self, rejected, stop_signal=None):
+            if rejected:
+                dead_letter_with_its_broker_gone.write(rejected, stop_after(1.0))
+
+    try:
+        for event in source.events(-1, stop, Sink(), None, look_ahead=False):
+            if isinstance(event, Ready):
+                source.trained(event.batch)
+                assert source.snapshot().to_checkpoint() == {f"{topic}/0": 100}
+                kafka.produce(topic, [b"not\ta\tcriteo\tline"] + lines[:10])
+        positions = source.snapshot().to_checkpoint()
+    finally:
+        source.close()
+    assert positions == {f"{topic}/0": 100}
