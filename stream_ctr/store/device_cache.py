@@ -94,9 +94,11 @@ class DeviceCache:
         """Write packed rows into free `slots`; transient rows are not indexed."""
         if slots.numel() == 0:
             return
-        w, m, v, meta = self.layout.unpack(packed.to(self.device))
-        self.weight[slots], self.exp_avg[slots], self.exp_avg_sq[slots] = w, m, v
-        self.meta[slots] = meta
+        packed = packed.to(self.device)
+        # Strided views scattered straight in: no contiguous copy of each part first.
+        f, c = self.layout.floats(packed), self.layout.cols
+        self.weight[slots], self.exp_avg[slots], self.exp_avg_sq[slots] = f[:, :c], f[:, c:2 * c], f[:, 2 * c:]
+        self.meta[slots] = self.layout.meta(packed)
         self.dirty[slots] = dirty.to(self.device)
         if transient:
             self.transient[slots] = True
