@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stream_ctr.connectors.batch import Positions, Rejected
-from stream_ctr.connectors.kafka.positions import GIVEN_UP, ROWS_DONE, from_positions
+from stream_ctr.connectors.kafka.positions import KafkaPositions
 
 log = logging.getLogger("stream_ctr.connectors")
 RAW_LIMIT_BYTES = 64 << 10        # of a rejected record kept in its dead-letter entry (the default)
@@ -183,13 +183,12 @@ class DeadLetterMark:
 
 def resume_points(positions: Positions) -> dict[str, int]:
     """Per partition, the first offset whose rejected records a run resumed at `positions`
-    reads (and rejects) again.  A Kafka position inside a packed message (``#rows_done``)
-    continues that message without its rejects (its source skips them: they were read
-    with its first rows), so the point is the message after it.  A given-up partition
-    counts where it was left."""
-    out = {name: int(offset) for name, offset in positions.items()
-           if name.startswith("file:") and not name.endswith((ROWS_DONE, GIVEN_UP))}
-    for name, (offset, rows_done) in from_positions(positions).items():
+    (a checkpoint's) reads (and rejects) again.  A Kafka position inside a packed message
+    (rows_done > 0) continues that message without its rejects (its source skips them:
+    they were read with its first rows), so the point is the message after it.  A
+    given-up partition counts where it was left."""
+    out = {name: int(offset) for name, offset in positions.items() if name.startswith("file:")}
+    for name, (offset, rows_done) in KafkaPositions.from_checkpoint(positions).partitions.items():
         out[name] = offset + 1 if rows_done else offset
     return out
 

@@ -1,11 +1,11 @@
 """Kafka: consuming a topic into batches, producing into one, and their positions.
 
     source        KafkaSource: group membership, exactly-once hand-over, outages
-    listener      the rebalance listener run on kafka-python's IO thread
+    listener      the rebalance listener (kafka-python's IO thread; confluent: the polling thread)
     client        opening consumers (kafka-python, or confluent through `confluent`)
     confluent     librdkafka behind kafka-python's calls and errors
     decode        message values -> decoded rows (one line, packed lines, JSON)
-    positions     per-partition next offsets, as stored in checkpoints
+    positions     typed per-partition positions (next offset, rows done), and the checkpoint form
     options       the [kafka] options and kafka:// URLs
     sink          producers: dead letters, topic creation
     replay        a file replayed into a topic in event order

@@ -1,9 +1,12 @@
 """The consumer-group rebalance listener of `KafkaSource`.
 
-kafka-python (3.x) runs it on its IO thread while the source's caller is
-blocked inside ``poll()``; so it may touch the source and the trainer's state
-(no train step runs meanwhile) but must not call a blocking consumer API:
-the revocation commit is awaited through the asynchronous one.  An error in
+kafka-python (3.x) runs it on its IO thread (``kafka-io-*``) while the
+source's caller is blocked inside ``poll()``, which waits for the group-join
+coroutine that awaits these methods; so it may touch the source and the
+trainer's state (no train step runs meanwhile) but must not call a blocking
+consumer API: the revocation commit is awaited through the asynchronous one.
+The confluent backend drives the same methods on the polling thread itself,
+inside ``poll()`` (`confluent._drive`).  An error in
 the trainer's hook (say a checkpoint that cannot be written) is handed back
 to the caller's thread and raised from ``read()``, never swallowed.
 """

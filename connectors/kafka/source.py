@@ -5,11 +5,17 @@ rejected)``, ``exhausted``, ``snapshot``, ``close``), plus two calls a
 streaming trainer needs:
 
 - ``trained(batch)``: the trainer reports a batch of rows this source returned
-  as trained; returns the resume positions to checkpoint
-  (``{"topic/partition": next offset}``, see `stream_ctr.connectors.kafka.positions`);
+  as trained; returns the resume positions to checkpoint, a `KafkaPositions`
+  (per partition the next offset to read, and the rows of a split packed
+  message already trained; `stream_ctr.connectors.kafka.positions`, whose
+  ``to_checkpoint()`` is what a checkpoint stores);
 - ``commit(positions)``: publish them as the group's committed offsets.  Call
   it only after the checkpoint holding them is durable: group offsets are for
   lag tools and for the next owner of a partition, the checkpoint is the truth.
+
+Positions in and out of the source (the constructor's, ``snapshot``,
+``trained``, ``trained_positions``, ``handover_positions``,
+``give_peer_positions``, ``commit``) are `KafkaPositions`.
 
 Offsets and what survives a crash.  Auto-commit is off.  On assignment a
 partition is positioned (in this order) at: the checkpoint's position (the
@@ -31,21 +37,25 @@ assigned partitions stay paused (`peers_wanted`) until the job's next step
 exchanges every rank's `handover_positions` (`give_peer_positions`): each
 starts no earlier than the furthest position any rank of this run reached.
 
-Rebalances (exactly-once hand-over).  kafka-python calls the listener on its
-IO thread while the trainer's thread is blocked inside ``read()`` (poll), so
-no train step runs meanwhile.  On revocation the source drops every row of the
-revoked partitions it has not returned, then calls ``on_revoke(names,
-lost=False)``: the trainer drops the rows it holds but has not trained and
-writes a checkpoint; then the source commits the revoked partitions' trained
-positions *before* the group may hand them to another member.  Rows of a
+Rebalances (exactly-once hand-over).  kafka-python (3.x) calls the listener
+on its IO thread (``kafka-io-*``) while the trainer's thread is blocked inside
+``read()`` (its ``poll()`` waits for the coroutine that awaits the listener);
+the confluent backend calls it on the trainer's thread, inside that poll.
+Either way no train step runs meanwhile.  On revocation the source drops
+every row of the revoked partitions it has not returned, then calls
+``on_revoke(names, lost=False)``: the trainer drops the rows it holds but
+has not trained and writes a checkpoint; then the source commits the revoked
+partitions' trained positions *before* the group may hand them to another
+member.  Rows of a
 revoked partition are therefore trained by this trainer only up to that
 committed offset, and by the next owner only after it.  A *lost* membership
 (session expired, broker restarted) cannot commit: rows are dropped the same
 way, and the trained position stays in the checkpoints (and is where this
 trainer continues if the partition comes back).  Since every ``read()``
-polls, a rebalance waits at most one train step for this member.  The
-trainer's hook runs on kafka-python's IO thread (its caller is blocked), so a
-checkpoint written there must not need the caller's thread.
+polls, a rebalance waits at most one train step for this member.  With
+kafka-python the trainer's hook runs on its IO thread (the caller is blocked),
+so a checkpoint written there must not need the caller's thread; it also holds
+up that thread's heartbeats while it writes.
 
 Outages.  Mid-stream, an unreachable broker is retried with growing backoff
 (kafka-python reconnects by itself; the source probes and logs one clear line
@@ -120,7 +130,7 @@ from typing import Callable
 
 import numpy as np
 
-from stream_ctr.connectors.batch import Batch, Positions, Rejected
+from stream_ctr.connectors.batch import Batch, Rejected
 from stream_ctr.connectors.files import SourceError
 from stream_ctr.connectors.formats import RecordFormat
 from stream_ctr.connectors.kafka.client import (PROBE_EVERY_S, BrokerWatch, StreamGone, connect_consumer,
@@ -130,9 +140,8 @@ from stream_ctr.connectors.kafka.decode import decode_messages, event_order
 from stream_ctr.connectors.kafka.listener import Listener
 from stream_ctr.connectors.kafka.options import KafkaUrl, check_crc32c, partition_name, start_timestamp_ms
 from stream_ctr.connectors.schema import Schema
-from stream_ctr.connectors.kafka.positions import (Position, PositionBook, commit_metadata, filter_partitions,
-                                        from_positions, given_up_positions, parse_commit_metadata,
-                                        to_positions)
+from stream_ctr.connectors.kafka.positions import (KafkaPositions, PartitionPosition, PositionBook,
+                                                   commit_metadata, filter_partitions, parse_commit_metadata)
 
 log = logging.getLogger("stream_ctr.connectors.kafka")
 RevokeHook = Callable[[list[str], bool], None]     # (partition names, lost) -> None
@@ -187,14 +196,14 @@ class KafkaStats:
 class KafkaSource:
     """Decoded chunks of Kafka topics read in a consumer group; see the module doc."""
 
-    def __init__(self, url: KafkaUrl, positions: Positions | None = None,
+    def __init__(self, url: KafkaUrl, positions: KafkaPositions | None = None,
                  on_revoke: RevokeHook | None = None, chunk_records: int = 65536,
                  wait_for_peers: bool = False, schema: Schema | None = None) -> None:
         self.url, self.options = url, url.options
         # A rank of a distributed job positions a newly assigned partition only once the
         # job has told it where the other ranks left it (`give_peer_positions`).
         self._wait_for_peers = wait_for_peers
-        self._peer: dict[str, Position] = {}
+        self._peer: dict[str, PartitionPosition] = {}
         self._assignments = 0           # non-empty assignments so far
         self._peers_at = 0              # ... when the peers' positions were last given
         # A declared schema (data.schema) decodes the values; else the URL's format.
@@ -206,10 +215,9 @@ class KafkaSource:
         self._book = PositionBook()
         # The checkpoint's positions serve the first assignment only; the partitions it
         # had given up continue like ones given up in this process (see PositionBook).
-        self._initial = from_positions(positions or {})
-        self._book.released.update(given_up_positions(positions or {}))
-        for name in self._book.released:
-            self._initial.pop(name, None)
+        positions = positions if positions is not None else KafkaPositions({})
+        self._initial = positions.owned()
+        self._book.released.update(positions.given_up_partitions())
         self._joined = False                                # the group assigned us (maybe nothing)
         self._unpositioned: set[str] = set()                # assigned, paused until seeked
         self._buffer: deque[Batch] = deque()
@@ -279,11 +287,11 @@ class KafkaSource:
         now = time.monotonic()      # (asked again right after the batches ended: the same answer)
         return now - self._all_listed_at < PROBE_EVERY_S or self._check_streams(now, fresh=True)
 
-    def snapshot(self) -> Positions:
+    def snapshot(self) -> KafkaPositions:
         """Resume positions after the last row `read` returned, for owned partitions."""
-        return to_positions(self._book.returned)
+        return KafkaPositions(self._book.returned)
 
-    def trained(self, batch: Batch) -> Positions:
+    def trained(self, batch: Batch) -> KafkaPositions:
         """Report `batch` (rows this source returned, in order) as trained; returns
         the positions to checkpoint (every owned partition after its last trained row)."""
         self._book.advance(self._book.trained, batch)
@@ -296,25 +304,24 @@ class KafkaSource:
         `give_peer_positions` (the job's next step exchanges them)."""
         return self._wait_for_peers and bool(self._unpositioned) and self._peers_at < self._assignments
 
-    def handover_positions(self) -> Positions:
+    def handover_positions(self) -> KafkaPositions:
         """Where this source left the partitions it gave up in this run (for the job's
         exchange: their next owner may be another rank)."""
-        return to_positions(self._book.released)
+        return KafkaPositions(self._book.released, frozenset(self._book.released))
 
-    def give_peer_positions(self, every_rank: list[Positions]) -> None:
+    def give_peer_positions(self, every_rank: list[KafkaPositions]) -> None:
         """Every rank's `handover_positions`: a partition assigned here starts no
         earlier than where any rank of this run left it, even if that rank's commit on
         revocation failed (or, on a resume, the checkpoint is older). Positions the
         paused partitions (blocking calls: call it on the caller's thread)."""
-        for positions in every_rank:
-            for name, position in from_positions(positions).items():
-                self._peer[name] = max(self._peer.get(name, position), position)
+        furthest = KafkaPositions.furthest([KafkaPositions(self._peer), *every_rank])
+        self._peer = dict(furthest.partitions)
         self._peers_at = self._assignments
         if self._unpositioned:
             self._position_new_partitions()
 
     @property
-    def trained_positions(self) -> Positions:
+    def trained_positions(self) -> KafkaPositions:
         """Positions after everything reported trained: owned partitions, plus the
         ones given up, marked so (see `PositionBook.released`)."""
         return self._book.checkpoint_positions()
@@ -324,13 +331,13 @@ class KafkaSource:
         gone = set(batch.partitions) - set(self._book.trained)
         return filter_partitions(batch, gone) if gone else batch
 
-    def commit(self, positions: Positions) -> bool:
+    def commit(self, positions: KafkaPositions) -> bool:
         """Commit `positions` of owned partitions as the group's offsets; blocks,
         retrying for up to `options.commit_timeout_s`.  False if it did not succeed
         (logged; the checkpoint still holds the truth, the next commit catches up)."""
         from kafka.errors import CommitFailedError, KafkaError
         # A partition the broker no longer lists would be retried for commit_timeout_s.
-        offsets = self._offsets({n: p for n, p in from_positions(positions).items() if n not in self._missing})
+        offsets = self._offsets({n: p for n, p in positions.partitions.items() if n not in self._missing})
         if not offsets:
             return True
         deadline = time.monotonic() + self.options.commit_timeout_s
@@ -505,7 +512,7 @@ class KafkaSource:
         rejected = decoded.rejected
         skipped = {name: pos for name, pos in self._book.skip.items() if name in names}
         if skipped:   # resuming inside a packed message: its bad lines were dead-lettered already
-            rejected = [r for r in rejected if skipped.get(r.partition, (None,))[0] != r.offset]
+            rejected = [r for r in rejected if r.partition not in skipped or skipped[r.partition].offset != r.offset]
         batch = self._book.drop_skipped(decoded.batch)
         self._rejected.extend(rejected)
         if len(batch):
@@ -615,10 +622,11 @@ class KafkaSource:
         self._offsets_unreadable_since = None
         for name in names:
             c = committed[name]
-            group = (c.offset, parse_commit_metadata(c.metadata)) if c is not None and c.offset >= 0 else None
+            group = (PartitionPosition(c.offset, parse_commit_metadata(c.metadata))
+                     if c is not None and c.offset >= 0 else None)
             position = self._choose_position(name, group, starts.get(name))
             self._book.own(name, position)
-            self._consumer.seek(_tp(name), position[0])
+            self._consumer.seek(_tp(name), position.offset)
         self._initial = {}
         self._unpositioned.clear()
         if not self._backpressure:
@@ -654,27 +662,28 @@ class KafkaSource:
             raise StreamGone(what)
         return False
 
-    def _choose_position(self, name: str, group: Position | None, start: Position | None) -> Position:
+    def _choose_position(self, name: str, group: PartitionPosition | None,
+                         start: PartitionPosition | None) -> PartitionPosition:
         if name in self._initial:
             position = self._initial[name]
             if group is not None and group > position:
                 log.warning("kafka: %s: the group's committed offset %d is past this checkpoint's "
                             "%d (another member trained those records, or this checkpoint is "
-                            "older); resuming at the checkpoint", name, group[0], position[0])
+                            "older); resuming at the checkpoint", name, group.offset, position.offset)
             how = "checkpoint"
         elif name in self._book.released:
-            position, how = max(self._book.released[name], group or (-1, 0)), "own last position"
+            position, how = max(self._book.released[name], group or PartitionPosition(-1)), "own last position"
         elif group is not None:
             position, how = group, "group offset"
         else:
-            position, how = start or (0, 0), f"start={self.options.start}"
+            position, how = start or PartitionPosition(0), f"start={self.options.start}"
         peer = self._peer.get(name)
         if peer is not None and peer > position:
             position, how = peer, "where another rank of this job left it"
-        log.info("kafka: %s starts at offset %d (%s)", name, position[0], how)
+        log.info("kafka: %s starts at offset %d (%s)", name, position.offset, how)
         return position
 
-    def _start_positions(self, names: list[str]) -> dict[str, Position]:
+    def _start_positions(self, names: list[str]) -> dict[str, PartitionPosition]:
         if not names:
             return {}
         tps = [_tp(n) for n in names]
@@ -682,12 +691,15 @@ class KafkaSource:
         if timestamp is not None:
             found = self._consumer.offsets_for_times({tp: timestamp for tp in tps})
             ends = self._consumer.end_offsets([tp for tp in tps if found.get(tp) is None])
-            return {n: ((found[tp].offset if found.get(tp) else ends[tp]), 0) for n, tp in zip(names, tps)}
+            return {n: PartitionPosition(found[tp].offset if found.get(tp) else ends[tp])
+                    for n, tp in zip(names, tps)}
         edge = (self._consumer.beginning_offsets if self.options.start == "earliest"
                 else self._consumer.end_offsets)(tps)
-        return {n: (edge[tp], 0) for n, tp in zip(names, tps)}
+        return {n: PartitionPosition(edge[tp]) for n, tp in zip(names, tps)}
 
-    def _offsets(self, positions: dict[str, Position], owned_only: bool = True) -> dict:
+    def _offsets(self, positions: dict[str, PartitionPosition], owned_only: bool = True) -> dict:
+        """The group commit of `positions`: {kafka.TopicPartition: OffsetAndMetadata} (the
+        next offset to read; `rows_done` in the metadata), for both clients."""
         from kafka.structs import OffsetAndMetadata
         return {_tp(n): OffsetAndMetadata(off, commit_metadata(done), -1)
                 for n, (off, done) in positions.items() if not owned_only or n in self._book.trained}

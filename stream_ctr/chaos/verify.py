@@ -2,8 +2,8 @@
 
 - exactly once: the model's own counter (records in the last checkpoint, and
   the last trainer's summary) equals the good records produced; the
-  checkpoint's offsets are the end of every partition (however they are keyed:
-  a partition the source gave up in a rebalance keeps a ``#given_up`` entry,
+  checkpoint's offsets are the end of every partition (read as `KafkaPositions`:
+  a partition the source gave up in a rebalance stays in them, marked given up,
   which is bookkeeping); the group's committed offsets equal them;
 - dead letters: every malformed message is on the dead-letter topic exactly
   once (a message read again after a kill is not dead-lettered again:
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from stream_ctr.chaos.stream import KnownStream
-from stream_ctr.connectors.kafka.positions import GIVEN_UP, committed_offsets, from_positions
+from stream_ctr.connectors.kafka.positions import KafkaPositions, committed_offsets
 from stream_ctr.config import Config
 from stream_ctr.serving.export import tiered_rows
 from stream_ctr.train.checkpoint import CheckpointError, CheckpointState, load_checkpoint
@@ -141,13 +141,15 @@ def readable_checkpoints(run_dir: Path) -> tuple[int, list[str]]:
 
 
 def positions_check(positions: dict[str, int], ends: dict[str, int]) -> Check:
-    """The checkpoint's offsets are the partition ends: what the contract promises, read with
-    `from_positions` whatever other keys the checkpoint keeps beside them (``#given_up``: a
-    partition the source released in a rebalance, bookkeeping). A message trained in part
-    (``#rows_done``) is not at its end."""
-    trained = {name: offset if not rows_done else f"{offset}#rows_done={rows_done}"
-               for name, (offset, rows_done) in from_positions(positions).items()}
-    given_up = sorted(k for k in positions if k.endswith(GIVEN_UP))
+    """The checkpoint's offsets (`positions`, as the checkpoint stores them) are the
+    partition ends: what the contract promises, read as `KafkaPositions` whatever else
+    the checkpoint keeps beside them (a partition the source released in a rebalance is
+    marked given up: bookkeeping). A message trained in part (rows_done > 0) is not at
+    its end."""
+    typed = KafkaPositions.from_checkpoint(positions)
+    trained = {name: p.offset if not p.rows_done else f"{p.offset} (rows_done={p.rows_done})"
+               for name, p in typed.partitions.items()}
+    given_up = sorted(typed.given_up)
     return Check("exactly once (positions)", trained == ends,
                  f"checkpoint offsets {trained}, partition ends {ends}"
                  + (f" (given up in a rebalance at some point: {given_up})" if given_up else ""))

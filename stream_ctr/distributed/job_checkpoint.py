@@ -190,13 +190,11 @@ def rank_checkpoint(job: Job, rank: int) -> str:
 
 def merged_stream_positions(job: Job) -> dict[str, int]:
     """Kafka positions of the whole job: per partition the furthest any rank trained it
-    (a partition's position only moves forward, whichever rank owns it)."""
-    from stream_ctr.connectors.kafka.positions import from_positions, to_positions
-    merged: dict = {}
-    for entry in job.manifest["ranks"]:
-        for name, pos in from_positions(entry["positions"]).items():
-            merged[name] = max(merged.get(name, pos), pos)
-    return to_positions(merged)
+    (a partition's position only moves forward, whichever rank owns it), none marked
+    given up; as a checkpoint's positions (what a rank's `restore` takes)."""
+    from stream_ctr.connectors.kafka.positions import KafkaPositions
+    return KafkaPositions.furthest(KafkaPositions.from_checkpoint(entry["positions"])
+                                   for entry in job.manifest["ranks"]).to_checkpoint()
 
 
 def is_job(path: str | Path) -> bool:

@@ -12,21 +12,36 @@ only this contract, never the kind of source:
   `kafka.stop_when_idle_s`, at the record limit, or on a stop signal.
 - `trained(batch)` after a batch trained; `snapshot()` the positions after
   everything trained, typed per kind (`FilePosition`: the next data line of the
-  file; `KafkaPositions`: per partition the next offset, with packed messages
-  and given-up partitions, connectors/kafka/positions.py); a checkpoint stores
-  their `to_checkpoint()` dict and `restore` (a resume) takes it back.
+  file; `KafkaPositions`: per partition the next offset to read and the rows of
+  a split packed message already trained, and the partitions given up,
+  connectors/kafka/positions.py); a checkpoint stores their `to_checkpoint()`
+  dict and `restore` (a resume) takes it back. Nothing else reads or writes
+  that dict: the Kafka source, the commit and a job's position exchange take
+  the typed positions.
 - `commit()` after a durable checkpoint (Kafka: the group's offsets; a file has
   none); `owned(batch)` drops rows a rebalance took after the batch was handed
   out; `end_pass(completed)` after the iterator ends.
 
-Rebalances: kafka-python calls its listener inside a poll, on the loop's thread,
-and the revoked partitions' offsets must be committed before that call returns
-(the next owner starts there). So the model trained from them must be durable
-first: a `KafkaInput` calls its `before_commit` (the single-process run's
-checkpoint) from the listener, and a distributed job, whose checkpoint is a
+Rebalances: the consumer's rebalance listener runs inside a poll, that is
+inside `KafkaSource.read()`, which only the loop's thread calls (from `events`
+or `poll_while_waiting`). With kafka-python (3.x) the listener itself runs on
+kafka-python's IO thread (``kafka-io-*``): the loop's thread is blocked in
+``poll()``, waiting without a timeout for the IO loop's group-join coroutine,
+which awaits the listener. With ``kafka.client = confluent``
+librdkafka calls it on the loop's thread, inside that poll. Either way no
+train step runs while it does. The revoked partitions' offsets must be
+committed before the listener returns (then the member rejoins and the group
+hands them to their next owner, who starts at the committed offset). So the
+model trained from them must be durable first: a `KafkaInput` calls its
+`before_commit` (the single-process run's checkpoint) from the listener, on
+whichever thread that is, and a distributed job, whose checkpoint is a
 collective, passes none and checkpoints at the next step all ranks agree on,
 when the `Revoked` event reaches it (its job manifest, not the group offsets, is
-what a resume trusts).
+what a resume trusts). The single-process checkpoint cannot wait for the loop's
+thread instead (post the event and rendezvous): that thread is blocked in the
+very poll that runs the listener until the listener returns, so it would never
+come; and a listener that returned first would let the group hand the
+partitions on before their offsets are committed.
 """
 from __future__ import annotations
 
@@ -132,10 +147,10 @@ class FileInput:
     keeps_polling = False
     peers_wanted = False
 
-    def handover_positions(self) -> Positions:
-        return {}
+    def handover_positions(self) -> None:
+        return None
 
-    def give_peer_positions(self, every_rank: list[Positions]) -> None:
+    def give_peer_positions(self, every_rank: list) -> None:
         """A rank's stripe is its own: nothing to take from the others."""
 
     # -- what the run asks before it starts --------------------------------------------
@@ -254,8 +269,11 @@ class KafkaInput:
     def __init__(self, cfg: Config, url: KafkaUrl, trained_records: Callable[[], int],
                  before_commit: Callable[[], None] | None, wait_for_peers: bool = False) -> None:
         """`before_commit`: makes the model trained so far durable (a checkpoint); called
-        inside a rebalance, before the revoked partitions' offsets are committed. None:
-        the caller checkpoints when the `Revoked` event reaches it."""
+        inside a rebalance, before the revoked partitions' offsets are committed, from
+        the rebalance listener (kafka-python: on its IO thread while the loop's thread
+        is blocked in the poll; confluent: on the loop's thread; see the module), so it
+        must not need the loop's thread. None: the caller checkpoints when the
+        `Revoked` event reaches it."""
         self.cfg, self.url = cfg, url
         self.fmt = declared_schema(cfg) or url.options.record_format
         self.batcher: StreamBatcher | OffsetOrderBatcher = new_stream_batcher(cfg, url, trained_records)
@@ -282,11 +300,11 @@ class KafkaInput:
         """This rank's consumer holds new partitions until the ranks exchange positions."""
         return self.source is not None and self.source.peers_wanted
 
-    def handover_positions(self) -> Positions:
+    def handover_positions(self) -> KafkaPositions:
         """Where this rank left the partitions it gave up in this run."""
-        return self.source.handover_positions() if self.source is not None else {}
+        return self.source.handover_positions() if self.source is not None else KafkaPositions({})
 
-    def give_peer_positions(self, every_rank: list[Positions]) -> None:
+    def give_peer_positions(self, every_rank: list[KafkaPositions]) -> None:
         """Every rank's hand-over positions: newly assigned partitions start no earlier
         than where any rank left them (connectors/kafka/source.py, "Ranks of a
         distributed job")."""
@@ -304,17 +322,19 @@ class KafkaInput:
         """The consumer (joining the group at the restored positions), opened once."""
         if self.source is None:
             from stream_ctr.connectors.kafka.source import KafkaSource
-            self.source = KafkaSource(self.url, positions=self._positions.to_checkpoint(), on_revoke=self._on_revoke,
+            self.source = KafkaSource(self.url, positions=self._positions, on_revoke=self._on_revoke,
                                       chunk_records=self.cfg.data.chunk_records,
                                       wait_for_peers=self.wait_for_peers, schema=declared_schema(self.cfg))
         return self.source
 
     def _on_revoke(self, partitions: list[str], lost: bool) -> None:
-        """The consumer's rebalance listener (inside a read, on the loop's thread): drop
-        the partitions' untrained rows (the next owner reads them; if that is this
-        member again, it continues at the trained position and reads them again), then,
-        unless the membership was lost, make the trained model durable before the
-        source commits their offsets."""
+        """The consumer's rebalance listener, inside a read (kafka-python: on its IO
+        thread while the loop's thread is blocked in that read's poll; confluent: on the
+        loop's thread; see the module): drop the partitions' untrained rows (the next
+        owner reads them; if that is this member again, it continues at the trained
+        position and reads them again), then, unless the membership was lost, make the
+        trained model durable before the source commits their offsets. The `Revoked`
+        event it queues reaches the loop with the read's next item."""
         gone = set(partitions)
         self.batcher.discard(partitions)
         self._ready = [b for b in (filter_partitions(b, gone) for b in self._ready) if len(b)]
@@ -451,11 +471,11 @@ class KafkaInput:
     def snapshot(self) -> KafkaPositions:
         if self.source is None:
             return self._positions
-        return KafkaPositions.from_checkpoint(self.source.trained_positions)
+        return self.source.trained_positions
 
     def commit(self) -> None:
         if self.source is not None:
-            self.source.commit(self.snapshot().to_checkpoint())
+            self.source.commit(self.snapshot())
 
     def where(self) -> str:
         """Where the next batch starts, for a person: the first partitions' offsets."""

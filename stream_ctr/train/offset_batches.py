@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from stream_ctr.connectors.batch import Batch
+from stream_ctr.connectors.kafka.options import split_partition_name
 from stream_ctr.train.batches import dead_letter_or_stop
 from stream_ctr.train.events import IDLE, Idle
 
@@ -205,7 +206,7 @@ class OffsetOrderBatcher:
                 queue = self._queues.setdefault(name, _Queue())
                 queue.push(chunk if len(rows) == len(chunk) else chunk.take(rows), now)
                 if name not in self._partitions:        # a partition added to the topic meanwhile
-                    self._partitions = sorted(set(self._partitions) | {name}, key=_plan_order)
+                    self._partitions = sorted(set(self._partitions) | {name}, key=split_partition_name)
 
     def discard(self, partitions: list[str]) -> int:
         """A rebalance took `partitions`: drop their pending rows (read again from the
@@ -284,14 +285,9 @@ class OffsetOrderBatcher:
         self.journal.append(Cut(self._before - len(batch), taken, first))
 
 
-def _plan_order(name: str) -> tuple[str, int]:
-    topic, _, partition = name.rpartition("/")
-    return topic, int(partition)
-
-
 def plan_order(names) -> list[str]:
     """Partition names in plan order: by topic, then partition number."""
-    return sorted(names, key=_plan_order)
+    return sorted(names, key=split_partition_name)
 
 
 def offset_ordered_batches(source: "KafkaSource", batcher: OffsetOrderBatcher, dead_letter,

@@ -10,7 +10,7 @@ from stream_ctr.connectors.batch import Batch, Rejected
 from stream_ctr.connectors.files import SAMPLE_PATHS, SourceError
 from stream_ctr.connectors.kafka.source import KafkaSource
 from stream_ctr.connectors.kafka.options import parse_kafka_url
-from stream_ctr.connectors.kafka.positions import GIVEN_UP, ROWS_DONE
+from stream_ctr.connectors.kafka.positions import GIVEN_UP, ROWS_DONE, KafkaPositions
 from stream_ctr.connectors.kafka.sink import KafkaDeadLetter
 from tests.kafka_broker import kafka_test_options
 
@@ -20,6 +20,9 @@ pytestmark = pytest.mark.usefixtures("kafka_client")
 
 
 def open_source(kafka, topic, group, positions=None, on_revoke=None, **options):
+    """A source resuming at `positions`, a checkpoint's dict (read back as a resume does)."""
+    if positions is not None:
+        positions = KafkaPositions.from_checkpoint(positions)
     options.setdefault("stop_when_idle_s", 1.5)
     chunk = options.pop("chunk", 700)
     url = parse_kafka_url(kafka.url(topic, group), kafka_test_options(**options))
@@ -45,8 +48,9 @@ def test_reads_every_record_once_with_kafka_offsets_and_commits(kafka, kafka_cli
         assert type(source._consumer).__name__ == {"kafka-python": "KafkaConsumer",
                                                    "confluent": "ConfluentConsumer"}[kafka_client]
         rows = drain(source)
-        positions = source.trained_positions
-        assert source.commit(positions)
+        trained = source.trained_positions
+        assert source.commit(trained)
+        positions = trained.to_checkpoint()
         lag = source.lag()
     assert len(rows) == 900
     names = np.array(rows.partitions)[rows.partition]
@@ -67,12 +71,12 @@ def test_resume_from_checkpoint_positions_inside_a_packed_message(kafka):
         while len(first) < 120:
             more, _ = source.read(120 - len(first))
             first = Batch.concat([first, more]) if len(more) else first
-        checkpoint = source.trained(first)
+        checkpoint = source.trained(first).to_checkpoint()
     assert checkpoint == {f"{topic}/0": 2, f"{topic}/0" + ROWS_DONE: 20}
     # The group has no commit: the checkpoint alone decides where to go on.
     with open_source(kafka, topic, "g-pack-b", positions=checkpoint) as source:
         rest = drain(source)
-        final = source.trained_positions
+        final = source.trained_positions.to_checkpoint()
     assert len(rest) == 380 and final == {f"{topic}/0": 10}
     assert rest.offset[0] == 2 and np.count_nonzero(rest.offset == 2) == 30
 
@@ -104,7 +108,7 @@ def test_backpressure_pauses_and_resumes_without_losing_records(kafka):
             paused_seen |= source.stats.paused
             if len(batch):
                 got.append(batch)
-        assert source.snapshot() == {f"{topic}/0": 30}
+        assert source.snapshot().to_checkpoint() == {f"{topic}/0": 30}
     rows = Batch.concat(got)
     assert paused_seen and len(rows) == 3000
     assert np.array_equal(np.repeat(np.arange(30), 100), rows.offset)
@@ -124,7 +128,7 @@ def test_bad_records_are_returned_as_rejected_with_their_offsets(kafka):
             source.rejects_written()            # (as the trainer reports them once in its sink)
             if len(batch):
                 source.trained(batch)
-        positions, lag = source.trained_positions, source.lag()
+        positions, lag = source.trained_positions.to_checkpoint(), source.lag()
     assert sorted((r.partition, r.offset, r.reason) for r in rejected) == [
         (f"{topic}/0", 3, "field_count"), (f"{topic}/0", 7, "bad_label"), (f"{topic}/0", 20, "empty_message"),
         (f"{topic}/0", 21, "field_count"), (f"{topic}/0", 22, "field_count"), (f"{topic}/0", 22, "field_count")]
@@ -218,7 +222,7 @@ def test_a_revocation_checkpoint_keeps_the_revoked_positions_and_a_resume_uses_t
     kafka.produce(topic, values, partitions=[i % 2 for i in range(8)])
     at_revocation = []
     source = open_source(kafka, topic, "g-given-up", stop_when_idle_s=0, chunk=30,
-                         on_revoke=lambda names, lost: at_revocation.append(source.trained_positions))
+                         on_revoke=lambda names, lost: at_revocation.append(source.trained_positions.to_checkpoint()))
     trained = []
     while sum(map(len, trained)) < 120:           # 4 batches of 30 split packed messages
         batch, _ = source.read(30)

@@ -91,8 +91,8 @@ def test_checkpoint_positions_keep_given_up_partitions_marked():
     book.own("t/1", (7, 0))
     book.trained["t/1"] = (8, 20)              # inside a packed message
     book.release(["t/1"])
-    positions = book.checkpoint_positions()
+    positions = book.checkpoint_positions().to_checkpoint()
     assert positions == {"t/0": 3, "t/1": 8, "t/1" + ROWS_DONE: 20, "t/1" + GIVEN_UP: 1}
     assert given_up_positions(positions) == {"t/1": (8, 20)}
     book.own("t/1", (9, 0))                    # it came back: owned again, no marker
-    assert book.checkpoint_positions() == {"t/0": 3, "t/1": 9}
+    assert book.checkpoint_positions().to_checkpoint() == {"t/0": 3, "t/1": 9}
