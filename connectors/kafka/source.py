@@ -1,7 +1,7 @@
 """KafkaSource: decoded chunks from Kafka topics, read in a consumer group.
 
 The source contract shared with `FileSource` (``read`` -> ``(Batch,
-rejected)``, ``exhausted``, ``snapshot``, ``close``), plus two calls a
+rejected)``, ``exhausted``, ``snapshot``, ``close``), plus the calls a
 streaming trainer needs:
 
 - ``trained(batch)``: the trainer reports a batch of rows this source returned
@@ -12,6 +12,8 @@ streaming trainer needs:
 - ``commit(positions)``: publish them as the group's committed offsets.  Call
   it only after the checkpoint holding them is durable: group offsets are for
   lag tools and for the next owner of a partition, the checkpoint is the truth.
+- ``rejects_written()``: the rejects ``read`` returned are in the dead-letter
+  sink; only then may positions pass messages that decoded to no row (below).
 
 Positions in and out of the source (the constructor's, ``snapshot``,
 ``trained``, ``trained_positions``, ``handover_positions``,
@@ -74,9 +76,11 @@ as after a broker restart without its data, is waited out like an outage.)
 
 Messages that are no record.  A null value (a tombstone), an empty value, or
 one a decoder cannot take is rejected at its offset (`kafka_decode`); once
-``read()`` has handed the reject out, the resume position passes the message
-like a fully trained one (`PositionBook.no_rows`), so a restart does not read it
-again.
+``read()`` has handed the reject out and the trainer has reported it written
+(``rejects_written``), the resume position passes the message like a fully
+trained one (`PositionBook.no_rows`), so a restart does not read it again.  A
+reject never written (a stop while the dead-letter broker is down) keeps the
+position before its message: a resume reads and dead-letters it.
 
 Joining the group.  A member that did not leave the group (this trainer's
 previous process, killed) keeps its partitions until the broker's session
