@@ -6,17 +6,19 @@ stream found nothing), and each costs an LMDB B-tree descent. The filter
 answers "certainly absent" for most of them from RAM. `maybe(keys)` is False
 only for a key never `add`ed: a key added and later deleted from LMDB, or one
 that collides, is only looked up for nothing. Two bit positions per key from
-one 64-bit mix; vectorized (numpy), no per-key Python.
+one 64-bit mix (the hash indexes' splitmix, key_index.py); vectorized, no
+per-key Python.
 """
 from __future__ import annotations
 
 import numpy as np
+import torch
+
+from stream_ctr.store.key_index import _slot_hash
 
 MIN_BITS_LOG2 = 23          # 1 MiB
 MAX_BITS_LOG2 = 28          # 32 MiB: 8 bits a key up to 32M keys, fewer beyond (more lookups)
 BITS_PER_KEY = 8            # two probes: ~5% false positives while under this load
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX = np.uint64(0xBF58476D1CE4E5B9)
 
 
 def filter_bits_log2(expected_keys: int) -> int:
@@ -31,18 +33,11 @@ class KeyFilter:
         self.words = np.zeros(1 << (bits_log2 - 3), dtype=np.uint8)
         self.added = 0              # keys added, duplicates counted (for the load)
 
-    @property
-    def nbytes(self) -> int:
-        return self.words.nbytes
-
     def _positions(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        with np.errstate(over="ignore"):
-            x = np.ascontiguousarray(keys, dtype=np.int64).view(np.uint64) * _GOLDEN
-            x ^= x >> np.uint64(31)
-            x *= _MIX
-            x ^= x >> np.uint64(29)
-        mask = np.uint64((1 << self.bits_log2) - 1)
-        return x & mask, (x >> np.uint64(32)) & mask
+        # The full 64-bit mix (mask -1); two probes from its low and high halves.
+        x = _slot_hash(torch.from_numpy(np.ascontiguousarray(keys, dtype=np.int64)), -1).numpy()
+        mask = (1 << self.bits_log2) - 1
+        return (x & mask).astype(np.uint64), ((x >> 32) & mask).astype(np.uint64)
 
     def add(self, keys: np.ndarray) -> None:
         if len(keys) == 0:
