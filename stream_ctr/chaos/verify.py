@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +92,6 @@ def dead_letters(bootstrap: str, topic: str, quiet_s: float = 10.0, timeout_s: f
     for `quiet_s` (tansu may report an end behind its log): a slow fetch on a loaded
     machine must not end the read early and look like a dead letter lost.  A broker
     that never reaches its reported end within `timeout_s` is an error, not a verdict."""
-    import time
     from kafka import KafkaConsumer, TopicPartition
     consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
                              auto_offset_reset="earliest")

@@ -99,11 +99,8 @@ def cmd_broker(args: argparse.Namespace) -> int:
             print(f"in another terminal:\n"
                   f"  stream-ctr replay criteo:sample --to {address}/clicks\n"
                   f"  stream-ctr train '{address}/clicks?group=g' --stop-when-idle 10", flush=True)
-        try:
-            while not stop_signal and broker.running:
-                time.sleep(0.2)
-        except KeyboardInterrupt:
-            stop_signal.append("SIGINT")
+        while not stop_signal and broker.running:
+            time.sleep(0.2)
         if not stop_signal:
             raise BrokerError(f"the broker on {address} exited by itself with status "
                               f"{broker.returncode}; see {broker.log_path}")
