@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stream_ctr.store.layout import COUNT, META_FIELDS, RowLayout
+from stream_ctr.store.layout import COUNT, META_FIELDS, RowLayout, gather_rows, scatter_rows
 from stream_ctr.store.policies import _INF, priority, select_victims
 from stream_ctr.store.slot_index import SlotIndex
 
@@ -35,7 +35,9 @@ class Rows:
         return Rows(self.keys.to(device), self.packed.to(device), self.dirty.to(device))
 
     def select(self, mask_or_idx: torch.Tensor) -> "Rows":
-        return Rows(self.keys[mask_or_idx], self.packed[mask_or_idx], self.dirty[mask_or_idx])
+        idx = torch.nonzero(mask_or_idx).view(-1) if mask_or_idx.dtype == torch.bool else mask_or_idx
+        return Rows(self.keys.index_select(0, idx), gather_rows(self.packed, idx),
+                    self.dirty.index_select(0, idx))
 
     @staticmethod
     def cat(parts: list["Rows"], layout: RowLayout, device: torch.device) -> "Rows":
@@ -97,8 +99,9 @@ class DeviceCache:
         packed = packed.to(self.device)
         # Strided views scattered straight in: no contiguous copy of each part first.
         f, c = self.layout.floats(packed), self.layout.cols
-        self.weight[slots], self.exp_avg[slots], self.exp_avg_sq[slots] = f[:, :c], f[:, c:2 * c], f[:, 2 * c:]
-        self.meta[slots] = self.layout.meta(packed)
+        for table, part in ((self.weight, f[:, :c]), (self.exp_avg, f[:, c:2 * c]),
+                            (self.exp_avg_sq, f[:, 2 * c:]), (self.meta, self.layout.meta(packed))):
+            scatter_rows(table, slots, part)
         self.dirty[slots] = dirty.to(self.device)
         if transient:
             self.transient[slots] = True
@@ -107,8 +110,8 @@ class DeviceCache:
             self.index.insert(keys, slots)
 
     def pack(self, slots: torch.Tensor) -> torch.Tensor:
-        return self.layout.pack(self.weight[slots], self.exp_avg[slots], self.exp_avg_sq[slots],
-                                self.meta[slots])
+        return self.layout.pack(gather_rows(self.weight, slots), gather_rows(self.exp_avg, slots),
+                                gather_rows(self.exp_avg_sq, slots), gather_rows(self.meta, slots))
 
     def release_transient(self) -> int:
         n = int(self.transient.sum())

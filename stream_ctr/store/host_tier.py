@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from stream_ctr.store.device_cache import Rows
-from stream_ctr.store.layout import WRITE_GEN, RowLayout
+from stream_ctr.store.layout import WRITE_GEN, RowLayout, gather_rows, scatter_rows
 from stream_ctr.store.policies import _INF, expired, priority, select_victims
 from stream_ctr.store.slot_index import SlotIndex
 
@@ -53,7 +53,7 @@ class HostTier:
         """(found [n], packed rows of the found keys) without moving anything."""
         slots = self.index.lookup(keys)
         found = slots >= 0
-        return found, self.rows[slots[found]]
+        return found, gather_rows(self.rows, slots[found])
 
     def take(self, keys: torch.Tensor) -> tuple[torch.Tensor, Rows]:
         """Remove the resident ones of `keys`; (found [n], their rows in key order)."""
@@ -63,7 +63,7 @@ class HostTier:
 
     def copy(self, slots: torch.Tensor) -> Rows:
         """The rows in `slots`, copied; nothing moves."""
-        return Rows(self.slot_keys[slots], self.rows[slots], self.dirty[slots].clone())
+        return Rows(self.slot_keys[slots], gather_rows(self.rows, slots), self.dirty[slots].clone())
 
     def drop(self, slots: torch.Tensor) -> None:
         """Free occupied `slots` (their rows were copied out and now live elsewhere)."""
@@ -82,7 +82,7 @@ class HostTier:
 
     def _place(self, incoming: Rows, dirty: torch.Tensor) -> None:
         free = self._take_free(len(incoming))
-        self.rows[free] = incoming.packed
+        scatter_rows(self.rows, free, incoming.packed)
         self.slot_keys[free] = incoming.keys
         self.dirty[free] = dirty
         self.index.insert(incoming.keys, free)
@@ -92,7 +92,7 @@ class HostTier:
         clean row's LMDB copy is current, so only dirty rows are worth copying out."""
         dirty = self.dirty[slots]
         keep = slots[dirty]
-        rows = Rows(self.slot_keys[keep], self.rows[keep], torch.ones(keep.numel(), dtype=torch.bool))
+        rows = Rows(self.slot_keys[keep], gather_rows(self.rows, keep), torch.ones(keep.numel(), dtype=torch.bool))
         self.drop(slots)
         return rows, slots.numel() - keep.numel()
 
@@ -141,7 +141,7 @@ class HostTier:
         """Remove rows past their TTL: (expired by steps, expired by seconds). Reads the
         metadata of occupied slots only (the spill's empty slots are file pages)."""
         live = torch.nonzero(self.slot_keys >= 0).view(-1)
-        by_steps, by_seconds = expired(self.layout.meta(self.rows[live]), clock, newest_event_ms,
+        by_steps, by_seconds = expired(gather_rows(self.meta(), live), clock, newest_event_ms,
                                        ttl_steps, ttl_seconds)
         return self._remove(live[by_steps]), self._remove(live[by_seconds])
 
@@ -154,4 +154,4 @@ class HostTier:
 
     def without_disk_copy(self) -> int:
         live = torch.nonzero(self.slot_keys >= 0).view(-1)
-        return int((self.layout.meta(self.rows[live])[:, WRITE_GEN] < 0).sum())
+        return int((gather_rows(self.meta(), live)[:, WRITE_GEN] < 0).sum())

@@ -52,6 +52,9 @@ class SlotIndex:
 
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """Value of each key, -1 where absent."""
+        if probe_cpu.usable(self.keys, keys):             # the value read in the probe loop
+            return probe_cpu.find_positions(self.keys, keys, _slot_hash(keys, self.capacity - 1),
+                                            self.vals)
         pos = self._find(keys)
         return torch.where(pos >= 0, self.vals[pos.clamp(min=0)], -1)
 
@@ -69,7 +72,7 @@ class SlotIndex:
     def remove(self, keys: torch.Tensor) -> torch.Tensor:
         """Remove present keys (absent ones are ignored); returns their values (-1 if absent)."""
         pos = self._find(keys)
-        vals = torch.where(pos >= 0, self.vals[pos.clamp(min=0)], -1)
+        vals = torch.where(pos >= 0, self.vals.index_select(0, pos.clamp(min=0)), -1)
         present = pos[pos >= 0]
         self.keys[present] = TOMBSTONE
         self.vals[present] = EMPTY

@@ -48,8 +48,8 @@ from stream_ctr.store.errors import StoreError
 from stream_ctr.store.generations import GenerationView, commit_checkpoint, rollback
 from stream_ctr.store.host_tier import HostTier
 from stream_ctr.store.io_worker import IoWorker
-from stream_ctr.store.layout import (EVENT_MS, LAST_STEP, META_FIELDS, WRITE_GEN, RowLayout, new_meta,
-                                     refuse_negative_keys)
+from stream_ctr.store.layout import (EVENT_MS, LAST_STEP, META_FIELDS, WRITE_GEN, RowLayout, gather_rows,
+                                     new_meta, refuse_negative_keys, row_records)
 from stream_ctr.store.lmdb_tier import LmdbTier, WriteBatch
 from stream_ctr.store.plan import StorePlan
 from stream_ctr.store.policies import AdmissionSketch, expired
@@ -274,23 +274,24 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         """(found, rows) of sorted keys in neither cache nor RAM: prefetched, else read now."""
         found = np.zeros(len(keys), dtype=bool)
         rows = np.zeros((len(keys), self.layout.row_bytes), np.uint8)
+        out = row_records(rows)                 # whole rows: one memcpy each
         todo = np.ones(len(keys), dtype=bool)
         if staged is not None and len(staged.disk_keys) and len(keys):
             pos = np.searchsorted(staged.disk_keys, keys).clip(max=len(staged.disk_keys) - 1)
             todo = staged.disk_keys[pos] != keys
             row_of = np.cumsum(staged.found) - 1
             got = ~todo & staged.found[pos]
-            rows[got] = staged.rows[row_of[pos[got]]]
+            out[got] = row_records(staged.rows)[row_of[pos[got]]]
             found |= got
         if todo.any():
             t0 = time.perf_counter()
             f, r = self.disk.get(keys[todo])
             idx = np.nonzero(todo)[0]
-            rows[idx[f]] = r
+            out[idx[f]] = row_records(r)
             found[idx[f]] = True
             self.counters.add(lmdb_read_rows=int(todo.sum()),
                               lmdb_read_seconds=time.perf_counter() - t0)
-        return found, rows[found]
+        return found, rows if found.all() else rows[np.nonzero(found)[0]]
 
     def _prefetch_job(self, keys: torch.Tensor) -> None:
         """Runs after this step's demotions (same thread, in order): sees RAM and the spill
@@ -478,7 +479,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         rslots = self.ram.dirty_slots()
         rows = Rows.cat([Rows(self.cache.slot_keys[cslots].cpu(), self.cache.pack(cslots).cpu(),
                               torch.ones(cslots.numel(), dtype=torch.bool)),
-                         Rows(self.ram.slot_keys[rslots], self.ram.rows[rslots],
+                         Rows(self.ram.slot_keys[rslots], gather_rows(self.ram.rows, rslots),
                               torch.ones(rslots.numel(), dtype=torch.bool))],
                         self.layout, torch.device("cpu"))
         batch = wb.put_batch(rows, self.layout, self.disk.open_generation)
