@@ -73,6 +73,9 @@ class Staged:
     disk_keys: np.ndarray       # sorted keys in neither
     found: np.ndarray           # bool per disk key
     rows: np.ndarray            # packed rows of the found disk keys
+    batch_keys: torch.Tensor    # the batch's sorted unique keys, as `prefetch` got them
+    cache_slots: torch.Tensor   # their cache slots then (-1: not resident): still valid
+                                # at the next `prepare`, the only thing that changes them
 
 
 class TieredEmbeddingStore(TieredReads, EmbeddingStore):
@@ -132,7 +135,10 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
             raise StoreError(f"a batch has {keys.numel():,} unique keys, more than the device "
                              f"cache's {self.cache.capacity:,} rows: raise --cache-bytes")
         cpu = torch.device("cpu")
-        slots = self.cache.lookup(keys)
+        if staged is not None and (staged.batch_keys is keys or torch.equal(staged.batch_keys, keys)):
+            slots = staged.cache_slots
+        else:
+            slots = self.cache.lookup(keys)
         hit = slots >= 0
         n_hit = int(hit.sum())
         self.counters.lookup("cache", n_hit, keys.numel() - n_hit)
@@ -296,7 +302,8 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
     def _prefetch_job(self, keys: torch.Tensor) -> None:
         """Runs after this step's demotions (same thread, in order): sees RAM and the spill
         as the next `prepare` will. The cache's membership does not change before then."""
-        cand = keys[self.cache.lookup(keys) < 0].cpu()
+        cache_slots = self.cache.lookup(keys)
+        cand = keys[cache_slots < 0].cpu()
         ram_slots = self.ram.index.lookup(cand)
         spill_slots = torch.full_like(ram_slots, -1)
         parts, pos = [self.ram.copy(ram_slots[ram_slots >= 0])], [torch.nonzero(ram_slots >= 0).view(-1)]
@@ -309,7 +316,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         disk_keys = cand[(ram_slots < 0) & (spill_slots < 0)].numpy()
         t0 = time.perf_counter()
         found, rows = self.disk.get(disk_keys)
-        self._staged = Staged(cand, ram_slots, spill_slots, host, disk_keys, found, rows)
+        self._staged = Staged(cand, ram_slots, spill_slots, host, disk_keys, found, rows, keys, cache_slots)
         self.counters.add(prefetched_rows=len(disk_keys), lmdb_read_rows=len(disk_keys),
                           lmdb_read_seconds=time.perf_counter() - t0)
 
