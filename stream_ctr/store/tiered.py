@@ -32,6 +32,7 @@ and a checkpoint (which waits first) touch them.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +101,11 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self.counters = StoreStats()
         self.clock, self.newest_event_ms = 0, -1
         self._staged: Staged | None = None
+        # The spill's drained rows, in LMDB write batches, from the demote job until the
+        # I/O thread writes them after the next prefetch (`_flush_job`): the write then
+        # runs while `prepare` does, not while the step's forward and backward do.
+        self._unwritten: list[WriteBatch] = []
+        self._prefetched: Future | None = None   # the last prefetch job not waited for
         self._started = False
         self._sweep_from = 0
         self._disk_rows = self.disk.entries() if self.disk else 0
@@ -128,7 +134,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         """Slots [U] for sorted unique keys [U]; blocks on the I/O thread first."""
         refuse_negative_keys(keys)
         self._start()
-        staged = self._wait()
+        staged = self._wait_staged()
         self.cache.release_transient()
         self.clock += 1
         if keys.numel() > self.cache.capacity:
@@ -224,7 +230,8 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         cache: copies from RAM and the spill, reads from LMDB (see `Staged`)."""
         refuse_negative_keys(keys)
         if not self.read_only:
-            self.io.submit(self._prefetch_job, keys)
+            self._prefetched = self.io.submit(self._prefetch_job, keys)
+            self.io.submit(self._flush_job)
 
     def update(self, slots: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor,
                step: int, optim: OptimConfig) -> ClipStats:
@@ -272,7 +279,29 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         return found, both.select(torch.argsort(pos))
 
     def _wait(self) -> Staged | None:
+        """The full barrier: every job done and every drained row in LMDB; takes the staged rows."""
+        self._barrier()
+        staged, self._staged = self._staged, None
+        return staged
+
+    def settle(self) -> None:
+        """Block until the I/O thread is idle and every row it moved out is in LMDB (what a
+        checkpoint, `export` and a direct LMDB read start with)."""
+        self._barrier()
+
+    def _barrier(self) -> None:
         self.counters.add(prefetch_wait_seconds=self.io.wait())
+        self._prefetched = None
+        self._flush_job()               # (the I/O thread is idle now)
+
+    def _wait_staged(self) -> Staged | None:
+        """`prepare`'s wait: for every job up to the last prefetch, which leaves RAM, the spill
+        and the staged rows settled; the LMDB write queued behind it goes on meanwhile.
+        Without a prefetch, the full barrier."""
+        if self._prefetched is None:
+            return self._wait()
+        upto, self._prefetched = self._prefetched, None
+        self.counters.add(prefetch_wait_seconds=self.io.wait(upto))
         staged, self._staged = self._staged, None
         return staged
 
@@ -290,6 +319,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
             out[got] = row_records(staged.rows)[row_of[pos[got]]]
             found |= got
         if todo.any():
+            self._barrier()             # LMDB must hold what the spill drained
             t0 = time.perf_counter()
             f, r = self.disk.get(keys[todo])
             idx = np.nonzero(todo)[0]
@@ -315,10 +345,32 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         host = Rows.cat(parts, self.layout, torch.device("cpu")).select(torch.argsort(torch.cat(pos)))
         disk_keys = cand[(ram_slots < 0) & (spill_slots < 0)].numpy()
         t0 = time.perf_counter()
-        found, rows = self.disk.get(disk_keys)
+        found, rows = self._unwritten_over(disk_keys, *self.disk.get(disk_keys))
         self._staged = Staged(cand, ram_slots, spill_slots, host, disk_keys, found, rows, keys, cache_slots)
         self.counters.add(prefetched_rows=len(disk_keys), lmdb_read_rows=len(disk_keys),
                           lmdb_read_seconds=time.perf_counter() - t0)
+
+    def _unwritten_over(self, keys: np.ndarray, found: np.ndarray,
+                        rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(found, rows) of sorted `keys` as LMDB will hold them once `_unwritten` is written:
+        LMDB's answer (found [n], rows of the found keys) with those batches' puts and
+        deletes applied in order. A put row carries the generation it is written in."""
+        if not self._unwritten or not len(keys):
+            return found, rows
+        full = np.zeros((len(keys), self.layout.row_bytes), np.uint8)
+        row_records(full)[found] = row_records(rows)
+        for b in self._unwritten:
+            for bkeys, put in ((b.put_keys, True), (b.del_keys, False)):
+                if not len(bkeys):
+                    continue
+                pos = np.searchsorted(bkeys, keys).clip(max=len(bkeys) - 1)
+                hit = bkeys[pos] == keys
+                found[hit] = put
+                if put:
+                    row_records(full)[hit] = row_records(b.put_rows)[pos[hit]]
+                    self.layout.meta(torch.from_numpy(full))[torch.from_numpy(hit), WRITE_GEN] = \
+                        self.disk.open_generation
+        return found, full[found]
 
     @property
     def _ttl(self) -> bool:
@@ -409,10 +461,10 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         gone = Rows.cat(expired_rows, self.layout, torch.device("cpu"))
         if len(demoted) or len(gone):
             self.io.submit(self._demote_job, demoted, gone)
-        if self._disk_rows > self.plan.disk_rows or self.cfg.ttl_steps or self.cfg.ttl_seconds:
-            # The clocks of this step, not the ones when the job runs: the trainer observes
-            # the next batch's event time before `prepare` waits for this thread.
-            self.io.submit(self._sweep_job, self.clock, self.newest_event_ms)
+        # The clocks of this step, not the ones when the job runs: the trainer observes the
+        # next batch's event time before `prepare` waits for this thread. Whether to sweep
+        # is decided there, after the LMDB writes before it (deterministic).
+        self.io.submit(self._sweep_job, self.clock, self.newest_event_ms)
 
     def _demote_job(self, demoted: Rows, gone: Rows) -> None:
         """On the I/O thread, while the step trains: demoted cache rows into RAM, the dirty
@@ -430,8 +482,15 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         gen = self.disk.open_generation
         batch = wb.merge(wb.put_batch(dirty, self.layout, gen), wb.delete_batch(gone, self.layout, gen))
         if len(batch):
-            self._write_job(batch)
-        self.disk.mapped.trim_if_over()
+            self._unwritten.append(batch)
+
+    def _flush_job(self) -> None:
+        """Write `_unwritten` to LMDB, in order (on the I/O thread, or with it idle)."""
+        while self._unwritten:
+            self._write_job(self._unwritten[0])
+            self._unwritten.pop(0)
+        if self.disk is not None:
+            self.disk.mapped.trim_if_over()
 
     def _write_job(self, batch: WriteBatch) -> None:
         t0 = time.perf_counter()
@@ -444,6 +503,9 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         return (self.cache.lookup(keys.to(self.device)).cpu() >= 0) | self._in_host(keys)
 
     def _sweep_job(self, clock: int, newest_event_ms: int) -> None:
+        if not (self._disk_rows > self.plan.disk_rows or self.cfg.ttl_steps or self.cfg.ttl_seconds):
+            return
+        self._flush_job()               # the sweep reads and deletes what LMDB holds
         over = self._disk_rows - self.plan.disk_rows
         ttl = self.cfg.ttl_steps
         n = max(SWEEP_MIN_ROWS, 4 * over, -(-self._disk_rows // ttl) if ttl else 0)
@@ -549,7 +611,10 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self._disk_rows, self._disk_bytes = self.disk.entries(), self.disk.used_bytes()
 
     def close(self) -> None:
-        self.io.close()
+        try:
+            self._barrier()
+        finally:
+            self.io.close()
         if self.spill is not None:
             self.spill.close()
         if self.disk is not None:

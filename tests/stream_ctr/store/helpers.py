@@ -111,7 +111,7 @@ def step(store, keys: list[int], counts: list[int] | None = None, update: bool =
 
 def where(store, key: int) -> str:
     """Tier holding `key` (after the I/O thread caught up): cache, ram, spill, disk or none."""
-    store.io.wait()
+    store.settle()
     k = torch.tensor([key])
     if store.cache.lookup(k).item() >= 0:
         return "cache"

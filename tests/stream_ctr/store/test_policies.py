@@ -2,7 +2,7 @@
 import torch
 
 from stream_ctr.store.embedding import init_rows
-from stream_ctr.store.layout import LAST_STEP, META_FIELDS
+from stream_ctr.store.layout import LAST_STEP, META_FIELDS, WRITE_GEN
 from stream_ctr.store.policies import AdmissionSketch, priority, select_victims, victim_order
 from tests.stream_ctr.store.helpers import step, tiny_store, where
 
@@ -70,7 +70,7 @@ def test_dirty_rows_are_written_back_clean_rows_are_not(tmp_path):
     s.state_dict()                               # checkpoint: every resident row clean
     step(s, [9, 10], update=False)
     step(s, [11, 12], update=False)              # 1 and 2 leave RAM again
-    s.io.wait()
+    s.settle()
     st = s.stats()
     # Dropped, as LMDB already holds them: 1, 2 and the RAM row of the checkpoint.
     assert st["clean_rows_dropped"] == 3
@@ -109,7 +109,7 @@ def test_ttl_expires_rows_in_every_tier_and_counts_reasons(tmp_path):
     assert {where(s, 1), where(s, 2)} == {"ram", "disk"}
     for _ in range(3):
         step(s, [3, 4])                           # steps 3-5: 1, 2 unseen for > 2 steps
-    s.io.wait()
+    s.settle()
     assert where(s, 1) == "none" and where(s, 2) == "none"
     assert s.stats()["evictions"]["ttl_steps"] == 2 and len(s) == 2
     slots = step(s, [1], update=False)            # comes back as a new row
@@ -131,7 +131,7 @@ def test_disk_budget_evicts_the_lowest_priority_disk_rows(tmp_path):
     s = tiny_store(tmp_path, cache_rows=2, ram_rows=0, disk_rows=4)
     for k in range(1, 13, 2):
         step(s, [k, k + 1])                       # every step pushes 2 rows to disk
-    s.io.wait()
+    s.settle()
     assert s.disk.entries() <= 4 + 2              # the sweep runs after each write
     assert s.stats()["evictions"]["disk_capacity"] >= 4
     # The oldest rows went first.
@@ -143,7 +143,7 @@ def test_metrics_snapshot_follows_the_collector_contract(tmp_path):
     s = tiny_store(tmp_path, cache_rows=2, ram_rows=1)
     for keys in ([1, 2], [3, 4], [5, 6]):
         step(s, keys)
-    s.io.wait()
+    s.settle()
     snap = s.metrics_snapshot()
     assert set(snap["tiers"]) == {"device", "host", "disk"}
     dev, host, disk = (snap["tiers"][t] for t in ("device", "host", "disk"))
@@ -153,3 +153,25 @@ def test_metrics_snapshot_follows_the_collector_contract(tmp_path):
     assert snap["admissions_rejected"] == 0 and snap["expired"] == 0
     assert s.stats()["bytes"]["disk"] > 0
     s.close()
+
+
+def test_a_prefetch_reads_demoted_rows_before_their_lmdb_write(tmp_path):
+    # The LMDB write of what a step demoted runs after the next prefetch (so that it
+    # overlaps the next prepare): that prefetch must read those rows from the pending
+    # write, exactly, and as rows whose disk copy is of the open generation.
+    s = tiny_store(tmp_path, cache_rows=2, ram_rows=0)
+    ref = tiny_store(tmp_path / "ref", cache_rows=8, ram_rows=0)      # never demotes
+    slots = {}
+    for name, store in (("s", s), ("ref", ref)):
+        step(store, [1, 2])
+        step(store, [3, 4])                     # s: 1 and 2 leave for LMDB
+        store.prefetch(torch.tensor([1, 2]))
+        slots[name] = step(store, [1, 2])
+    assert s.stats()["prefetched_rows"] == 2
+    keys = torch.tensor([1, 2])
+    assert torch.equal(s.peek(keys), ref.peek(keys))
+    assert s.cache.meta[slots["s"], WRITE_GEN].tolist() == [s.disk.open_generation] * 2
+    for k in (1, 2):
+        assert where(s, k) == "cache"
+    s.close()
+    ref.close()
