@@ -102,8 +102,8 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self.clock, self.newest_event_ms = 0, -1
         self._staged: Staged | None = None
         # The spill's drained rows, in LMDB write batches, from the demote job until the
-        # I/O thread writes them after the next prefetch (`_flush_job`): the write then
-        # runs while `prepare` does, not while the step's forward and backward do.
+        # next `prepare` has the I/O thread write them (`_flush_job`) after the prefetch: the
+        # write then runs beside `prepare`, not beside the step's forward and backward.
         self._unwritten: list[WriteBatch] = []
         self._prefetched: Future | None = None   # the last prefetch job not waited for
         self._started = False
@@ -135,6 +135,8 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         refuse_negative_keys(keys)
         self._start()
         staged = self._wait_staged()
+        if self._unwritten:             # the I/O thread is idle: it writes while this runs
+            self.io.submit(self._flush_job)
         self.cache.release_transient()
         self.clock += 1
         if keys.numel() > self.cache.capacity:
@@ -174,6 +176,14 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         if bool(ram_dead.any()):
             stale.append(from_ram.select(ram_dead))
             from_ram = from_ram.select(~ram_dead)
+        # Make room now and hand the demoted rows to the I/O thread at once: it moves them
+        # down (RAM, the spill, LMDB) on the other core while the rest of prepare runs here.
+        # Nothing below touches RAM or the spill, except a TTL scan: with a TTL the rows go
+        # after it, at the end.
+        demoted = self._make_room(n_miss, protect=slots[slots >= 0])
+        if not self._ttl and len(demoted):
+            self.io.submit(self._demote_job, demoted, demoted.select(torch.zeros(0, dtype=torch.int64)))
+            demoted = demoted.select(torch.zeros(0, dtype=torch.int64))
         look = ~in_ram & fresh                        # never a stale disk copy of an expired row
         look_pos = torch.nonzero(look).view(-1)
         rest = miss[look]
@@ -199,8 +209,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self.counters.add(rows_created=int(admit.sum()), admissions_rejected=int((~admit).sum()))
         write_gen, rejected_stale = self._expired_rows(stale, new_keys, admit)
 
-        # Make room, then fill: RAM rows, disk rows, new rows, transient rows.
-        demoted = self._make_room(n_miss, protect=slots[slots >= 0])
+        # Fill: RAM rows, disk rows, new rows, transient rows.
         parts = [from_ram, Rows(torch.from_numpy(disk_keys), torch.from_numpy(disk_rows),
                                 torch.zeros(len(disk_keys), dtype=torch.bool)),
                  self._new_rows(new_keys[admit], dirty=True, write_gen=write_gen[admit])]
@@ -231,7 +240,6 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         refuse_negative_keys(keys)
         if not self.read_only:
             self._prefetched = self.io.submit(self._prefetch_job, keys)
-            self.io.submit(self._flush_job)
 
     def update(self, slots: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor,
                step: int, optim: OptimConfig) -> ClipStats:
@@ -296,8 +304,8 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
 
     def _wait_staged(self) -> Staged | None:
         """`prepare`'s wait: for every job up to the last prefetch, which leaves RAM, the spill
-        and the staged rows settled; the LMDB write queued behind it goes on meanwhile.
-        Without a prefetch, the full barrier."""
+        and the staged rows settled, and `_unwritten` still to write. Without a prefetch,
+        the full barrier."""
         if self._prefetched is None:
             return self._wait()
         upto, self._prefetched = self._prefetched, None
