@@ -21,13 +21,19 @@ crash: exactly the last checkpoint (see lmdb_tier.py); rows demoted since are
 undone on resume.
 
 Threads: the training thread owns the device cache (lookups, evictions,
-fills). One I/O thread runs, in order and while the step trains, everything
-below it: demoted rows into RAM, RAM's into the spill, the spill's and expired
-rows' changes into LMDB, disk sweeps, and the gathering of the next batch's
-rows from RAM, the spill and LMDB (`Staged`). `prepare` first blocks until
-that thread is idle (measured: `prefetch_wait_seconds`), so the two never
-touch RAM or the spill at once; outside `prepare`, only the read-only views
-and a checkpoint (which waits first) touch them.
+fills). One I/O thread runs, in order, everything below it: demoted rows into
+RAM, RAM's into the spill, the spill's and expired rows' changes into LMDB,
+disk sweeps, and the gathering of the next batch's rows from RAM, the spill
+and LMDB (`Staged`). `prepare` first blocks until that thread has finished
+the last prefetch (measured: `prefetch_wait_seconds`); then it takes the
+staged rows out of RAM and the spill, chooses the cache's victims and hands
+them to the I/O thread, and touches RAM and the spill no more (without a TTL;
+with one, the rows go down at the end of `prepare`, after its TTL scan). So
+the two threads never touch RAM or the spill at once. The LMDB write of what
+the spill drained waits in `_unwritten` until the next `prepare` starts it;
+a prefetch reads those rows from there, and every direct LMDB read, sweep,
+checkpoint and `close` writes them first (`settle`). Outside `prepare`, only
+the read-only views and a checkpoint (which settle first) touch the tiers.
 """
 from __future__ import annotations
 
