@@ -92,7 +92,8 @@ class HostTier:
         clean row's LMDB copy is current, so only dirty rows are worth copying out."""
         dirty = self.dirty[slots]
         keep = slots[dirty]
-        rows = Rows(self.slot_keys[keep], gather_rows(self.rows, keep), torch.ones(keep.numel(), dtype=torch.bool))
+        rows = Rows(self.slot_keys[keep], gather_rows(self.rows, keep),
+                    torch.ones(keep.numel(), dtype=torch.bool))
         self.drop(slots)
         return rows, slots.numel() - keep.numel()
 

@@ -2,9 +2,10 @@
 
 Jobs run one at a time in submission order, so a prefetch submitted after a
 write-back reads what that write-back committed. `wait()` blocks until every
-submitted job (or every one up to a given job) is done, re-raises the first error a job raised (a StoreError
-from a full disk reaches the trainer at its next `prepare`), and returns the
-seconds it blocked: the part of the LMDB work the step did not hide.
+submitted job (or every one up to a given job) is done, re-raises the first
+error a job raised (a StoreError from a full disk reaches the trainer at a
+following `prepare`), and returns the seconds it blocked: the part of the
+LMDB work the step did not hide.
 Nothing here survives a crash: an unfinished job's transaction is simply not
 committed.
 """

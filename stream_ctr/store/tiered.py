@@ -188,8 +188,9 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         # after it, at the end.
         demoted = self._make_room(n_miss, protect=slots[slots >= 0])
         if not self._ttl and len(demoted):
-            self.io.submit(self._demote_job, demoted, demoted.select(torch.zeros(0, dtype=torch.int64)))
-            demoted = demoted.select(torch.zeros(0, dtype=torch.int64))
+            nothing = Rows.cat([], self.layout, cpu)
+            self.io.submit(self._demote_job, demoted, nothing)
+            demoted = nothing
         look = ~in_ram & fresh                        # never a stale disk copy of an expired row
         look_pos = torch.nonzero(look).view(-1)
         rest = miss[look]
@@ -293,17 +294,14 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         return found, both.select(torch.argsort(pos))
 
     def _wait(self) -> Staged | None:
-        """The full barrier: every job done and every drained row in LMDB; takes the staged rows."""
-        self._barrier()
+        """The full barrier (`settle`), then take the staged rows."""
+        self.settle()
         staged, self._staged = self._staged, None
         return staged
 
     def settle(self) -> None:
         """Block until the I/O thread is idle and every row it moved out is in LMDB (what a
-        checkpoint, `export` and a direct LMDB read start with)."""
-        self._barrier()
-
-    def _barrier(self) -> None:
+        checkpoint, `export`, `close` and a direct LMDB read start with)."""
         self.counters.add(prefetch_wait_seconds=self.io.wait())
         self._prefetched = None
         self._flush_job()               # (the I/O thread is idle now)
@@ -333,7 +331,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
             out[got] = row_records(staged.rows)[row_of[pos[got]]]
             found |= got
         if todo.any():
-            self._barrier()             # LMDB must hold what the spill drained
+            self.settle()               # LMDB must hold what the spill drained
             t0 = time.perf_counter()
             f, r = self.disk.get(keys[todo])
             idx = np.nonzero(todo)[0]
@@ -372,18 +370,19 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         if not self._unwritten or not len(keys):
             return found, rows
         full = np.zeros((len(keys), self.layout.row_bytes), np.uint8)
-        row_records(full)[found] = row_records(rows)
+        out, pending = row_records(full), np.zeros(len(keys), dtype=bool)
+        out[found] = row_records(rows)
         for b in self._unwritten:
             for bkeys, put in ((b.put_keys, True), (b.del_keys, False)):
                 if not len(bkeys):
                     continue
                 pos = np.searchsorted(bkeys, keys).clip(max=len(bkeys) - 1)
                 hit = bkeys[pos] == keys
-                found[hit] = put
+                found[hit], pending[hit] = put, put
                 if put:
-                    row_records(full)[hit] = row_records(b.put_rows)[pos[hit]]
-                    self.layout.meta(torch.from_numpy(full))[torch.from_numpy(hit), WRITE_GEN] = \
-                        self.disk.open_generation
+                    out[hit] = row_records(b.put_rows)[pos[hit]]
+        self.layout.meta(torch.from_numpy(full))[torch.from_numpy(pending), WRITE_GEN] = \
+            self.disk.open_generation
         return found, full[found]
 
     @property
@@ -626,7 +625,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
 
     def close(self) -> None:
         try:
-            self._barrier()
+            self.settle()
         finally:
             self.io.close()
         if self.spill is not None:
