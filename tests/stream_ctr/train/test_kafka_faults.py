@@ -3,7 +3,8 @@
 Each trainer is a `stream-ctr train` child process started through a small
 driver that can (a) kill itself with SIGKILL at a precise point (after the
 n-th step, inside the n-th checkpoint write, before the n-th group commit),
-(b) slow its steps down, and (c) log every trained (partition, offset).
+(b) slow its steps down (to 1 s a step while a file `<log>.hold` exists), and
+(c) log every trained (partition, offset).
 """
 import json
 import signal
@@ -44,8 +45,8 @@ def train_step(self, batch, *args, **kwargs):
             f.write("".join(f"{p} {o}\n" for p, o in zip(names, batch.offset.tolist())))
     if mode == "step":
         maybe_die()
-    if mode == "slow":
-        time.sleep(n / 1000)
+    if mode == "slow":                   # 1 s a step while the test holds this trainer back
+        time.sleep(1.0 if os.path.exists(log + ".hold") else n / 1000)
     return result
 stream_ctr.train.trainer.Trainer.train_step = train_step
 if mode == "checkpoint":                 # inside the write: the new directory is not renamed yet
@@ -85,11 +86,18 @@ def trained_rows(log: Path) -> list[tuple[str, int]]:
     return [(p, int(o)) for p, o in (line.split() for line in lines)]
 
 
-def wait_for(condition, timeout: float, what: str) -> None:
+def wait_for(condition, timeout: float, what: str, children=()) -> None:
+    """Polls `condition`; on timeout kills `children` and puts their stderr in the failure."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            tails = []
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+                tails.append(child.communicate(timeout=30)[1][-3000:])
+            raise AssertionError(f"timed out waiting for {what}" + "".join(
+                f"\n--- trainer {i} stderr ---\n{tail}" for i, tail in enumerate(tails)))
         time.sleep(0.1)
 
 
@@ -150,10 +158,16 @@ def test_a_second_consumer_joins_and_leaves_every_record_trained_once(kafka, tmp
     a = trainer("slow", 150, str(log_a), train_args(url, tmp_path / "a", "--checkpoint-every", "5",
                                                     "--stop-when-idle", "4", *extra))
     try:
-        wait_for(lambda: len(trained_rows(log_a)) >= 640, 60, "the first trainer to start")
+        wait_for(lambda: len(trained_rows(log_a)) >= 640, 60, "the first trainer to start", [a])
+        # Until the second trainer has trained, the first one goes slowly enough that
+        # records are left for it however long its start takes on a busy machine.
+        hold = Path(f"{log_a}.hold")
+        hold.touch()
         b = trainer("slow", 150, str(log_b), train_args(url, tmp_path / "b", "--checkpoint-every", "5",
                                                         *extra))
-        wait_for(lambda: len(trained_rows(log_b)) >= 320, 150, "the second trainer to get partitions")
+        wait_for(lambda: len(trained_rows(log_b)) >= 320, 150, "the second trainer to get partitions",
+                 [a, b])
+        hold.unlink()
         b.send_signal(signal.SIGTERM)                 # finishes its batch, checkpoints, commits, leaves
         out_b, err_b = b.communicate(timeout=60)
         out_a, err_a = a.communicate(timeout=120)
