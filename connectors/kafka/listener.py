@@ -1,14 +1,15 @@
 """The consumer-group rebalance listener of `KafkaSource`.
 
-kafka-python (3.x) runs it on its IO thread (``kafka-io-*``) while the
-source's caller is blocked inside ``poll()``, which waits for the group-join
-coroutine that awaits these methods; so it may touch the source and the
-trainer's state (no train step runs meanwhile) but must not call a blocking
-consumer API: the revocation commit is awaited through the asynchronous one.
-The confluent backend drives the same methods on the polling thread itself,
-inside ``poll()`` (`confluent._drive`).  An error in
-the trainer's hook (say a checkpoint that cannot be written) is handed back
-to the caller's thread and raised from ``read()``, never swallowed.
+kafka-python (3.x) runs it on its IO thread (``kafka-io-*``), inside the
+``poll()`` the source's poll thread makes; the confluent backend drives the same
+methods on that poll thread itself, inside ``poll()`` (`confluent._drive`).
+Whatever it does to the source runs on the source's own thread
+(`KafkaSource._listener_call`), and a revocation waits for the trainer's
+acknowledgement before its offsets are committed; the commit is awaited through
+the asynchronous API (a blocking consumer call here would wait for this very IO
+thread).  An error on the source's side (say a checkpoint that cannot be
+written) is handed back to the source's thread and raised from ``read()``,
+never swallowed.
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ class RebalanceOwner(Protocol):
     _listener_error: BaseException | None
     stats: Any
 
-    def _on_revoked(self, partitions: set, lost: bool) -> dict: ...
+    def _on_revoked(self, partitions: set, lost: bool) -> tuple[dict, Any]: ...
     def _on_assigned(self, partitions: set) -> None: ...
+    def _listener_call(self, fn: Any, *args: Any) -> Any: ...
 
 
 class Listener(AsyncConsumerRebalanceListener):
@@ -38,11 +40,13 @@ class Listener(AsyncConsumerRebalanceListener):
     async def on_partitions_revoked(self, revoked: set) -> None:
         source = self._source
         try:
-            offsets = source._on_revoked(revoked, lost=False)
+            offsets, ack = source._listener_call(source._on_revoked, revoked, False)
+            # The trainer takes the revocation in and checkpoints; only then commit.
+            durable = ack is None or ack.result()
         except BaseException as e:          # noqa: BLE001 - re-raised on the caller's thread
             source._listener_error = e
             return
-        if not offsets:
+        if not offsets or not durable:
             return
         try:
             # Before this returns, the group cannot give these partitions to
@@ -56,13 +60,19 @@ class Listener(AsyncConsumerRebalanceListener):
                         e, ", ".join(sorted(f"{tp.topic}/{tp.partition}" for tp in offsets)))
 
     async def on_partitions_lost(self, lost: set) -> None:
+        source = self._source
         try:
-            self._source._on_revoked(lost, lost=True)
+            _, ack = source._listener_call(source._on_revoked, lost, True)
+            if ack is not None:
+                ack.result()
         except BaseException as e:          # noqa: BLE001
-            self._source._listener_error = e
+            source._listener_error = e
 
     async def on_partitions_assigned(self, assigned: set) -> None:
+        source = self._source
         try:
-            self._source._on_assigned(assigned)
+            if assigned:    # nothing is fetched before the source positions it (a consumer call:
+                source._consumer.pause(*assigned)   # on this thread, librdkafka's callback holds its lock)
+            source._listener_call(source._on_assigned, assigned)
         except BaseException as e:          # noqa: BLE001
             self._source._listener_error = e

@@ -39,25 +39,31 @@ assigned partitions stay paused (`peers_wanted`) until the job's next step
 exchanges every rank's `handover_positions` (`give_peer_positions`): each
 starts no earlier than the furthest position any rank of this run reached.
 
-Rebalances (exactly-once hand-over).  kafka-python (3.x) calls the listener
-on its IO thread (``kafka-io-*``) while the trainer's thread is blocked inside
-``read()`` (its ``poll()`` waits for the coroutine that awaits the listener);
-the confluent backend calls it on the trainer's thread, inside that poll.
-Either way no train step runs meanwhile.  On revocation the source drops
-every row of the revoked partitions it has not returned, then calls
-``on_revoke(names, lost=False)``: the trainer drops the rows it holds but
-has not trained and writes a checkpoint; then the source commits the revoked
-partitions' trained positions *before* the group may hand them to another
-member.  Rows of a
-revoked partition are therefore trained by this trainer only up to that
-committed offset, and by the next owner only after it.  A *lost* membership
-(session expired, broker restarted) cannot commit: rows are dropped the same
-way, and the trained position stays in the checkpoints (and is where this
-trainer continues if the partition comes back).  Since every ``read()``
-polls, a rebalance waits at most one train step for this member.  With
-kafka-python the trainer's hook runs on its IO thread (the caller is blocked),
-so a checkpoint written there must not need the caller's thread; it also holds
-up that thread's heartbeats while it writes.
+Rebalances (exactly-once hand-over).  The consumer polls on a thread of its
+own (``kafka-poll``); ``read()`` waits for that poll at most about
+`options.poll_timeout_s` + `POLL_GRACE_S` and returns (a poll that has not
+returned, a group join the broker holds, goes on and is waited for by the next
+read; one stuck for `STUCK_POLL_NOTICE_S` is logged), so the caller always
+gets its thread back: it can stop, and a stream end is never decided while a
+poll is out.  The rebalance listener runs inside the poll (kafka-python: on its
+IO thread ``kafka-io-*``; confluent: on the poll thread); everything it does
+to the source it hands to the source's own thread, which runs it while it
+waits for the poll, or at its next read (within one train step): no two
+threads ever change the source's state at once, and the consumer is used by
+one thread at a time (a commit asked for while a poll is out is made when it
+returns).  On revocation the source drops every row of the revoked
+partitions it has not returned; with ``hold_revocations`` it then holds the
+revocation (`revocation`) and the listener waits until the caller
+``acknowledge``s it: the trainer drops the rows it holds but has not trained
+and writes a checkpoint first.  Only then does the listener commit the revoked
+partitions' trained positions, *before* the group may hand them to another
+member.  Rows of a revoked partition are therefore trained by this trainer
+only up to that committed offset, and by the next owner only after it.  A
+*lost* membership (session expired, broker restarted) cannot commit: rows are
+dropped the same way, and the trained position stays in the checkpoints (and
+is where this trainer continues if the partition comes back).  With
+kafka-python the listener's wait holds up the IO thread's heartbeats while the
+trainer checkpoints.
 
 Outages.  Mid-stream, an unreachable broker is retried with growing backoff
 (kafka-python reconnects by itself; the source probes and logs one clear line
@@ -125,6 +131,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -148,7 +156,6 @@ from stream_ctr.connectors.kafka.positions import (KafkaPositions, PartitionPosi
                                                    commit_metadata, filter_partitions, parse_commit_metadata)
 
 log = logging.getLogger("stream_ctr.connectors.kafka")
-RevokeHook = Callable[[list[str], bool], None]     # (partition names, lost) -> None
 _VALUE, _OFFSET, _TIMESTAMP = attrgetter("value"), attrgetter("offset"), attrgetter("timestamp")
 # Runs decoded at the same time (they are independent; taken in in fetch order).
 # Two keep both cores of a small machine busy while the caller fetches; more
@@ -164,6 +171,52 @@ _PREFETCH_WAIT_S = 0.01
 TOPIC_GONE_AFTER_S = 5.0
 # Waiting this long for the group's first assignment is worth a line (see the module doc).
 JOIN_NOTICE_S = 5.0
+# How much longer than its own timeout ``read()`` waits for a poll before it returns
+# without it (the poll goes on: a group join, a rebalance listener waiting for this thread).
+POLL_GRACE_S = 2.0
+# A poll that has not returned after this long is stuck at the broker: worth a warning.
+STUCK_POLL_NOTICE_S = 60.0
+# ``close()`` waits this long for a poll still in flight before it gives the consumer up.
+CLOSE_WAIT_S = 15.0
+
+
+@dataclass(frozen=True)
+class Revocation:
+    """Partitions a rebalance took from this member (``lost``: the membership had
+    expired, nothing will be committed).  The source has dropped their rows; the
+    consumer's rebalance listener waits inside its poll until ``acknowledge``."""
+    partitions: tuple[str, ...]
+    lost: bool
+
+
+class _PollThread:
+    """Runs the consumer's polls on a thread of their own (daemon: a poll stuck at the
+    broker never holds up the process's exit), so that the rebalance listener inside
+    a poll can wait for the source's own thread (see the module doc, "Rebalances")."""
+
+    def __init__(self, poll: Callable[..., dict]) -> None:
+        self._poll = poll
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kafka-poll", daemon=True)
+        self._thread.start()
+
+    def submit(self, timeout_ms: int, max_records: int) -> Future:
+        future: Future = Future()
+        self._requests.put((future, timeout_ms, max_records))
+        return future
+
+    def stop(self) -> None:
+        self._requests.put(None)
+
+    def _run(self) -> None:
+        while (request := self._requests.get()) is not None:
+            future, timeout_ms, max_records = request
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._poll(timeout_ms=timeout_ms, max_records=max_records))
+            except BaseException as e:      # noqa: BLE001 - raised on the source's thread
+                future.set_exception(e)
 
 
 @dataclass
@@ -201,8 +254,11 @@ class KafkaSource:
     """Decoded chunks of Kafka topics read in a consumer group; see the module doc."""
 
     def __init__(self, url: KafkaUrl, positions: KafkaPositions | None = None,
-                 on_revoke: RevokeHook | None = None, chunk_records: int = 65536,
+                 hold_revocations: bool = False, chunk_records: int = 65536,
                  wait_for_peers: bool = False, schema: Schema | None = None) -> None:
+        """`hold_revocations`: a rebalance's revocation waits, inside the consumer's
+        poll, until the caller takes it in (`revocation`, then `acknowledge`); without
+        it the revoked partitions' offsets are committed at once."""
         self.url, self.options = url, url.options
         # A rank of a distributed job positions a newly assigned partition only once the
         # job has told it where the other ranks left it (`give_peer_positions`).
@@ -215,7 +271,20 @@ class KafkaSource:
         self.chunk_records = chunk_records
         self.stats = KafkaStats()
         self.crc32c = check_crc32c()
-        self._on_revoke = on_revoke
+        self._hold_revocations = hold_revocations
+        # The rebalance listener runs inside a poll, on the poll thread (confluent) or
+        # kafka-python's IO thread; what it does to this source it hands to the source's
+        # own thread (`_listener_call`), which runs it while it waits for the poll.
+        self._owner = threading.get_ident()
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Condition()
+        self._in_flight: Future | None = None          # the poll on the poll thread
+        self._in_flight_since = 0.0
+        self._in_flight_waits = False                  # ... made because rows were missing
+        self._said_stuck = False
+        self._revocation: Revocation | None = None     # taken by the listener, not yet acknowledged
+        self._ack: Future | None = None                # -> durable: commit the revoked offsets
+        self._deferred_commit: KafkaPositions | None = None    # asked for while a poll was in flight
         self._book = PositionBook()
         # The checkpoint's positions serve the first assignment only; the partitions it
         # had given up continue like ones given up in this process (see PositionBook).
@@ -246,6 +315,7 @@ class KafkaSource:
         self.partition_names: tuple[str, ...] = tuple(
             partition_name(t, p) for t in url.topics for p in sorted(self._consumer.partitions_for_topic(t)))
         self._consumer.subscribe(list(url.topics), listener=Listener(self))
+        self._poller = _PollThread(self._consumer.poll)
         self._join_wait_since: float | None = time.monotonic()     # until the first assignment
 
     # -- the source contract ------------------------------------------------
@@ -284,7 +354,8 @@ class KafkaSource:
         still lists every partition it reads: a deleted topic is no idle
         stream (`StreamGone`, raised once it has been missing `TOPIC_GONE_AFTER_S`)."""
         idle = self.options.stop_when_idle_s
-        if not (bool(idle) and self._joined and not self._buffered and not self._decoding
+        if not (bool(idle) and self._joined and self._in_flight is None and self._revocation is None
+                and not self._buffered and not self._decoding
                 and not self._watch.in_outage
                 and not self._unpositioned and time.monotonic() - self._idle_since >= idle):
             return False
@@ -321,7 +392,8 @@ class KafkaSource:
         furthest = KafkaPositions.furthest([KafkaPositions(self._peer), *every_rank])
         self._peer = dict(furthest.partitions)
         self._peers_at = self._assignments
-        if self._unpositioned:
+        # (With a poll in flight the consumer is not this thread's: the poll's end positions them.)
+        if self._unpositioned and self._in_flight is None and self._revocation is None:
             self._position_new_partitions()
 
     @property
@@ -338,8 +410,15 @@ class KafkaSource:
     def commit(self, positions: KafkaPositions) -> bool:
         """Commit `positions` of owned partitions as the group's offsets; blocks,
         retrying for up to `options.commit_timeout_s`.  False if it did not succeed
-        (logged; the checkpoint still holds the truth, the next commit catches up)."""
+        (logged; the checkpoint still holds the truth, the next commit catches up).
+        While a poll is still in flight (a group join that outlasted a read) the commit
+        waits for it: it is made, with the latest positions asked for, right after that
+        poll returns; then it returns False."""
         from kafka.errors import CommitFailedError, KafkaError
+        if self._in_flight is not None or self._revocation is not None:
+            self._deferred_commit = positions
+            return False
+        self._deferred_commit = None
         # A partition the broker no longer lists would be retried for commit_timeout_s.
         offsets = self._offsets({n: p for n, p in positions.partitions.items() if n not in self._missing})
         if not offsets:
@@ -382,13 +461,27 @@ class KafkaSource:
         return self.stats.lag
 
     def close(self) -> None:
-        """Leave the group without committing (commits follow checkpoints only)."""
+        """Leave the group without committing (commits follow checkpoints only; one
+        deferred by a poll in flight is made first).  A poll still in flight is waited
+        for up to `CLOSE_WAIT_S`; if it does not return, the consumer is left as it is
+        (the group drops this member after kafka.session_timeout_ms)."""
         if self._consumer is not None:
             self._closing = True
-            try:
-                self._consumer.close(autocommit=False)
-            except Exception as e:          # the broker may be gone; nothing to lose here
-                log.warning("kafka: consumer close: %s", e)
+            if self._revocation is not None:    # taken in but never checkpointed: no commit
+                self.acknowledge(durable=False)
+            settled = self._settle_poll(CLOSE_WAIT_S)
+            if settled and self._deferred_commit is not None:
+                self.commit(self._deferred_commit)
+            if settled:
+                try:
+                    self._consumer.close(autocommit=False)
+                except Exception as e:          # the broker may be gone; nothing to lose here
+                    log.warning("kafka: consumer close: %s", e)
+            else:
+                log.warning("kafka: the consumer is still inside a poll after %.0f s (a group join "
+                            "the broker does not complete); leaving it without closing: the group "
+                            "drops this member after kafka.session_timeout_ms", CLOSE_WAIT_S)
+            self._poller.stop()
             self._consumer = None
         self._decoder.shutdown(wait=True, cancel_futures=True)
         self._decoding.clear()
@@ -401,32 +494,44 @@ class KafkaSource:
 
     # -- fetching ------------------------------------------------------------
     def _poll(self, rows_missing: int, prefetch: bool = False) -> int:
-        """One consumer poll; the records go to the decode worker.  Returns the
-        number of messages accepted.  It waits (up to `options.poll_timeout_s`)
-        only when rows are missing; a `prefetch` poll waits `_PREFETCH_WAIT_S`."""
-        from kafka.errors import KafkaError
+        """One consumer poll, on the poll thread; the records go to the decode worker.
+        Returns the number of messages accepted.  It waits (up to
+        `options.poll_timeout_s`, plus `POLL_GRACE_S`) only when rows are missing; a
+        `prefetch` poll waits `_PREFETCH_WAIT_S`.  A poll still in flight from an
+        earlier call is waited for instead of a new one; meanwhile the rebalance
+        listener's calls run here.  A revocation taken meanwhile returns 0 at once:
+        the caller takes it in (`revocation`, `acknowledge`) before anything else."""
+        if self._revocation is not None:
+            return 0
         wait = rows_missing > 0 and not prefetch
-        rows = max(rows_missing, self.chunk_records)
-        max_messages = max(1, min(self.options.max_poll_records,
-                                  int(rows / max(self._rows_per_message, 1.0)) + 1))
         timeout_s = _PREFETCH_WAIT_S if prefetch else self.options.poll_timeout_s if wait else 0
-        try:
-            fetched = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_messages)
-        except KafkaError as e:
-            if not getattr(e, "retriable", False) and "Authentication" in type(e).__name__:
-                raise SourceError(f"kafka: {self.url.text}: authentication failed: {e}") from None
-            if self._listener_error is None:
-                log.warning("kafka: poll failed (%s); retrying", e)
-            fetched = {}
+        budget_s = timeout_s
+        if self._in_flight is None:
+            rows = max(rows_missing, self.chunk_records)
+            max_messages = max(1, min(self.options.max_poll_records,
+                                      int(rows / max(self._rows_per_message, 1.0)) + 1))
+            self._in_flight = self._poller.submit(int(timeout_s * 1000), max_messages)
+            self._in_flight_since, self._in_flight_waits = time.monotonic(), wait
+            self._in_flight.add_done_callback(self._notify)
+            budget_s += POLL_GRACE_S
+        waited = self._in_flight_waits
+        fetched = self._await_poll(budget_s)
         if self._listener_error is not None:
             error, self._listener_error = self._listener_error, None
             raise error
         now = time.monotonic()
+        self._notice_waits(now)
+        if fetched is None:
+            return 0
         if self._watch.in_outage:       # what the broker listed before it went away says nothing now
             self._missing, self._missing_since = set(), None
         elif now >= self._next_stream_check:
             self._next_stream_check = now + PROBE_EVERY_S
             self._check_streams(now)
+        return self._after_poll(fetched, waited)
+
+    def _notice_waits(self, now: float) -> None:
+        """One line for a first assignment slow to come, and one for a poll stuck at the broker."""
         if self._join_wait_since is not None and now - self._join_wait_since >= JOIN_NOTICE_S:
             waited, self._join_wait_since = now - self._join_wait_since, None
             log.warning("kafka: waiting for group %r to assign partitions (%.0f s so far): a member "
@@ -436,6 +541,97 @@ class KafkaSource:
                         "any member). A trainer stopped by SIGTERM or Ctrl-C leaves the group, so "
                         "its restart does not wait for it", self.options.group, waited,
                         self.options.session_timeout_ms / 1000)
+        if self._in_flight is None:
+            self._said_stuck = False
+        elif not self._said_stuck and now - self._in_flight_since >= STUCK_POLL_NOTICE_S:
+            self._said_stuck = True
+            log.warning("kafka: the consumer's poll has not returned for %.0f s: the group "
+                        "coordinator on %s does not complete this member's join (a broker "
+                        "problem; kafka.session_timeout_ms is %.0f s). The trainer keeps what it "
+                        "trained and can be stopped as usual; a restart resumes from its checkpoint",
+                        now - self._in_flight_since, self.options.bootstrap,
+                        self.options.session_timeout_ms / 1000)
+
+    def _await_poll(self, budget_s: float) -> dict | None:
+        """The records of the poll in flight, once it returns within `budget_s`; None
+        if it has not (it goes on) or if the listener took a revocation meanwhile.
+        Runs the listener's calls while it waits."""
+        deadline = time.monotonic() + budget_s
+        while True:
+            self._service()
+            if self._revocation is not None:
+                return None
+            future = self._in_flight
+            if future.done():
+                self._in_flight = None
+                return self._poll_result(future)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            with self._wake:
+                if self._calls.empty() and not future.done():
+                    self._wake.wait(remaining)
+
+    def _poll_result(self, future: Future) -> dict:
+        from kafka.errors import KafkaError
+        try:
+            return future.result()
+        except KafkaError as e:
+            if not getattr(e, "retriable", False) and "Authentication" in type(e).__name__:
+                raise SourceError(f"kafka: {self.url.text}: authentication failed: {e}") from None
+            if self._listener_error is None:
+                log.warning("kafka: poll failed (%s); retrying", e)
+            return {}
+
+    def _settle_poll(self, budget_s: float) -> bool:
+        """Closing: wait up to `budget_s` for the poll in flight (its records are
+        dropped: nothing after the checkpoint is lost, a restart reads them again);
+        True if none is in flight any more."""
+        deadline = time.monotonic() + budget_s
+        while self._in_flight is not None:
+            if self._revocation is not None:
+                self.acknowledge(durable=False)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                self._await_poll(remaining)
+            except SourceError as e:
+                log.warning("kafka: %s", e)
+        return True
+
+    def _notify(self, _future: Future | None = None) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    def _service(self) -> None:
+        """Run the calls the rebalance listener handed to this thread."""
+        while True:
+            try:
+                fn, args, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:      # noqa: BLE001 - the listener hands it back
+                    future.set_exception(e)
+
+    def _listener_call(self, fn: Callable, *args):
+        """Run `fn(*args)` for the rebalance listener on the source's own thread (it
+        waits for the poll there, or next polls within one train step) and return its
+        result.  Directly when the listener runs on that thread (librdkafka's close) or
+        the source is closing (its thread may no longer serve calls)."""
+        if self._closing or threading.get_ident() == self._owner:
+            return fn(*args)
+        future: Future = Future()
+        self._calls.put((fn, args, future))
+        self._notify()
+        return future.result()
+
+    def _after_poll(self, fetched: dict, waited: bool) -> int:
+        """Position new partitions, accept the records, account for idleness and
+        backpressure, make a commit deferred while the poll was in flight."""
         if self._unpositioned:
             self._position_new_partitions()
         n = self._accept(fetched)
@@ -443,9 +639,11 @@ class KafkaSource:
         if n:
             self._idle_since = now
             self._watch.records_arrived(now)
-        elif wait and self._watch.nothing_arrived(self._consumer, self._book.owned(), now):
+        elif waited and self._watch.nothing_arrived(self._consumer, self._book.owned(), now):
             self._idle_since = now
         self._apply_backpressure()
+        if self._deferred_commit is not None:
+            self.commit(self._deferred_commit)
         return n
 
     def _accept(self, fetched: dict) -> int:
@@ -557,12 +755,14 @@ class KafkaSource:
         (self._consumer.pause if self._backpressure else self._consumer.resume)(*tps)
         self.stats.paused = self._backpressure
 
-    # -- rebalances (called by the listener on kafka-python's IO thread) ----
-    def _on_revoked(self, tps: set, lost: bool) -> dict:
-        """Give up `tps`; returns the offsets to commit for them (none if lost)."""
+    # -- rebalances (the listener's calls, run on the source's thread: `_listener_call`) ----
+    def _on_revoked(self, tps: set, lost: bool) -> tuple[dict, Future | None]:
+        """Give up `tps` (on the source's thread); returns the offsets to commit for them
+        (none if lost) and, when revocations are held, the future `acknowledge`
+        resolves (True: commit them)."""
         names = sorted(partition_name(tp.topic, tp.partition) for tp in tps)
         if not names or self._closing:
-            return {}
+            return {}, None
         self.stats.rebalances += 1
         self._joined = False                # not idle while the group rebalances
         while self._decoding:               # as if decoded synchronously: take them in first
@@ -576,11 +776,27 @@ class KafkaSource:
             self._highwater.pop(name, None)
         log.info("kafka: partitions %s %s", ", ".join(names),
                  "lost (group membership expired)" if lost else "revoked by a rebalance")
-        if self._on_revoke is not None:
-            self._on_revoke(names, lost)
-        if lost:
-            return {}
-        return self._offsets({n: p for n, p in positions.items() if n not in self._missing}, owned_only=False)
+        offsets = {} if lost else self._offsets({n: p for n, p in positions.items() if n not in self._missing},
+                                                owned_only=False)
+        if not self._hold_revocations:
+            return offsets, None
+        self._revocation, self._ack = Revocation(tuple(names), lost), Future()
+        return offsets, self._ack
+
+    @property
+    def revocation(self) -> Revocation | None:
+        """The revocation a poll took since the last `acknowledge` (its rows are gone
+        from this source); the group's rebalance waits for its acknowledgement."""
+        return self._revocation
+
+    def acknowledge(self, durable: bool) -> None:
+        """The caller has taken `revocation` in (dropped the rows of those partitions
+        it holds) and, if `durable`, made what it trained from them durable: the
+        listener then commits their offsets (not for a lost membership) and the
+        rebalance goes on.  Returns at once; the next read waits for the poll."""
+        ack, self._revocation, self._ack = self._ack, None, None
+        if ack is not None:
+            ack.set_result(durable)
 
     def _on_assigned(self, tps: set) -> None:
         names = {partition_name(tp.topic, tp.partition) for tp in tps}
@@ -589,7 +805,6 @@ class KafkaSource:
         self._unpositioned |= names - set(self._book.owned())
         if tps:
             self._assignments += 1
-            self._consumer.pause(*tps)      # nothing is fetched before it is positioned
             log.info("kafka: assigned %s", ", ".join(sorted(names)))
         else:
             self._initial = {}              # the checkpoint's positions serve the first assignment only

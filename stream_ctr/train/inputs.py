@@ -22,26 +22,18 @@ only this contract, never the kind of source:
   none); `owned(batch)` drops rows a rebalance took after the batch was handed
   out; `end_pass(completed)` after the iterator ends.
 
-Rebalances: the consumer's rebalance listener runs inside a poll, that is
-inside `KafkaSource.read()`, which only the loop's thread calls (from `events`
-or `poll_while_waiting`). With kafka-python (3.x) the listener itself runs on
-kafka-python's IO thread (``kafka-io-*``): the loop's thread is blocked in
-``poll()``, waiting without a timeout for the IO loop's group-join coroutine,
-which awaits the listener. With ``kafka.client = confluent``
-librdkafka calls it on the loop's thread, inside that poll. Either way no
-train step runs while it does. The revoked partitions' offsets must be
-committed before the listener returns (then the member rejoins and the group
-hands them to their next owner, who starts at the committed offset). So the
-model trained from them must be durable first: a `KafkaInput` calls its
-`before_commit` (the single-process run's checkpoint) from the listener, on
-whichever thread that is, and a distributed job, whose checkpoint is a
-collective, passes none and checkpoints at the next step all ranks agree on,
-when the `Revoked` event reaches it (its job manifest, not the group offsets, is
-what a resume trusts). The single-process checkpoint cannot wait for the loop's
-thread instead (post the event and rendezvous): that thread is blocked in the
-very poll that runs the listener until the listener returns, so it would never
-come; and a listener that returned first would let the group hand the
-partitions on before their offsets are committed.
+Rebalances reach the loop as `Revoked` events on its own thread. The revoked
+partitions' offsets must be committed before the group hands them to their next
+owner (who starts at the committed offset), and the model trained from them must
+be durable before that. The consumer polls on a thread of its own
+(`KafkaSource`); its rebalance listener waits inside that poll while the loop's
+thread, back from `read()`, takes the revocation in: the input drops the
+partitions' untrained rows from everything it holds and yields `Revoked`; the
+loop checkpoints; when it asks for the next event the input acknowledges, the
+listener commits and the rebalance goes on. A distributed job's checkpoint is a
+collective that cannot wait inside one rank's rebalance: its input acknowledges
+as soon as the rows are dropped and the job checkpoints at the next step all
+ranks agree on (its manifest, not the group offsets, is what a resume trusts).
 """
 from __future__ import annotations
 
@@ -64,7 +56,7 @@ from stream_ctr.train.offset_batches import OffsetOrderBatcher, offset_ordered_b
 from stream_ctr.train.streaming import StreamBatcher, declared_schema, new_stream_batcher
 
 if TYPE_CHECKING:     # kafka-python is imported only by runs that read a topic
-    from stream_ctr.connectors.kafka.source import KafkaSource
+    from stream_ctr.connectors.kafka.source import KafkaSource, Revocation
     from stream_ctr.telemetry.monitor import RunMonitor
     from stream_ctr.train.batches import StopSignal
 
@@ -267,23 +259,23 @@ class KafkaInput:
     at_damage = False
 
     def __init__(self, cfg: Config, url: KafkaUrl, trained_records: Callable[[], int],
-                 before_commit: Callable[[], None] | None, wait_for_peers: bool = False) -> None:
-        """`before_commit`: makes the model trained so far durable (a checkpoint); called
-        inside a rebalance, before the revoked partitions' offsets are committed, from
-        the rebalance listener (kafka-python: on its IO thread while the loop's thread
-        is blocked in the poll; confluent: on the loop's thread; see the module), so it
-        must not need the loop's thread. None: the caller checkpoints when the
-        `Revoked` event reaches it."""
+                 checkpoints_revocations: bool, wait_for_peers: bool = False) -> None:
+        """`checkpoints_revocations`: the loop checkpoints when a `Revoked` event reaches
+        it, and the revoked partitions' offsets are committed once it asks for the next
+        event (a single process).  False: they are committed as soon as their rows are
+        dropped, and the caller checkpoints later (a job, at the next step its ranks
+        agree on; its manifest, not the group offsets, is what a resume trusts)."""
         self.cfg, self.url = cfg, url
         self.fmt = declared_schema(cfg) or url.options.record_format
         self.batcher: StreamBatcher | OffsetOrderBatcher = new_stream_batcher(cfg, url, trained_records)
-        self.before_commit, self.wait_for_peers = before_commit, wait_for_peers
+        self.checkpoints_revocations, self.wait_for_peers = checkpoints_revocations, wait_for_peers
         self.source: KafkaSource | None = None
         self.ended = False
         self._positions = KafkaPositions({})
         self._ready: list[Batch] = []           # full batches cut, not yet handed out
         self._look_ahead: LookAhead | None = None
         self._revoked: list[Revoked] = []       # events for the loop
+        self._taken: "Revocation | None" = None  # the source's revocation last taken in
         self._gone_since_handout: set[str] = set()
         self._last_ready = time.monotonic()     # when a batch was last handed out
         self._said_waiting = False
@@ -322,28 +314,36 @@ class KafkaInput:
         """The consumer (joining the group at the restored positions), opened once."""
         if self.source is None:
             from stream_ctr.connectors.kafka.source import KafkaSource
-            self.source = KafkaSource(self.url, positions=self._positions, on_revoke=self._on_revoke,
+            self.source = KafkaSource(self.url, positions=self._positions, hold_revocations=True,
                                       chunk_records=self.cfg.data.chunk_records,
                                       wait_for_peers=self.wait_for_peers, schema=declared_schema(self.cfg))
         return self.source
 
-    def _on_revoke(self, partitions: list[str], lost: bool) -> None:
-        """The consumer's rebalance listener, inside a read (kafka-python: on its IO
-        thread while the loop's thread is blocked in that read's poll; confluent: on the
-        loop's thread; see the module): drop the partitions' untrained rows (the next
-        owner reads them; if that is this member again, it continues at the trained
-        position and reads them again), then, unless the membership was lost, make the
-        trained model durable before the source commits their offsets. The `Revoked`
-        event it queues reaches the loop with the read's next item."""
+    def _read(self, max_records: int | None = None) -> tuple[Batch, list[Rejected]]:
+        """`source.read`, then the revocation it may have taken, before anything else
+        sees the rows."""
+        chunk, rejected = self.source.read(max_records)
+        revocation = self.source.revocation
+        if revocation is not None and revocation is not self._taken:    # (read again before its ack)
+            self._taken = revocation
+            self._take_revocation(revocation)
+        return chunk, rejected
+
+    def _take_revocation(self, revocation: "Revocation") -> None:
+        """A rebalance took `revocation.partitions` (the group waits): drop their
+        untrained rows from everything that holds them (the next owner reads them; if
+        that is this member again, it continues at the trained position and reads them
+        again) and queue the `Revoked` event for the loop."""
+        partitions = list(revocation.partitions)
         gone = set(partitions)
         self.batcher.discard(partitions)
         self._ready = [b for b in (filter_partitions(b, gone) for b in self._ready) if len(b)]
         if self._look_ahead is not None:
             self._look_ahead.discard(partitions)
         self._gone_since_handout |= gone
-        self._revoked.append(Revoked(tuple(partitions), lost))
-        if not lost and self.before_commit is not None:
-            self.before_commit()
+        self._revoked.append(Revoked(revocation.partitions, revocation.lost))
+        if not self.checkpoints_revocations and self.source is not None:
+            self.source.acknowledge(durable=True)
 
     # -- the stream ---------------------------------------------------------------------
 
@@ -352,7 +352,7 @@ class KafkaInput:
         """The stream's events until it goes idle, the limit or a stop (see the module)."""
         source = self.open()
         if isinstance(self.batcher, OffsetOrderBatcher):
-            batches = offset_ordered_batches(source, self.batcher, dead_letter, limit_records,
+            batches = offset_ordered_batches(source, self._read, self.batcher, dead_letter, limit_records,
                                              self.cfg.data.max_batch_delay_s, stop, monitor)
         else:
             batches = self._fetch_order_batches(dead_letter, limit_records, stop, monitor)
@@ -389,13 +389,23 @@ class KafkaInput:
 
     def _with_revocations(self, batches: Iterator[Batch | Idle]) -> Iterator[Batch | Idle | Revoked]:
         for item in batches:
-            yield from self._take_revoked()
+            yield from self._revocations()
             yield item
-        yield from self._take_revoked()
+        yield from self._revocations()
 
-    def _take_revoked(self) -> list[Revoked]:
-        out, self._revoked = self._revoked, []
-        return out
+    def _revocations(self) -> Iterator[Revoked]:
+        """The queued `Revoked` events.  The loop handles each (a checkpoint) before it
+        asks for the next event; only then are the partitions' offsets committed (a
+        loop that stops there instead commits none: no checkpoint holds them)."""
+        while self._revoked:
+            event = self._revoked.pop(0)
+            handled = False
+            try:
+                yield event
+                handled = True
+            finally:
+                if self.checkpoints_revocations and self.source is not None:
+                    self.source.acknowledge(durable=handled)
 
     def _fetch_order_batches(self, dead_letter, limit_records: int, stop: "StopSignal",
                              monitor: "RunMonitor") -> Iterator[Batch | Idle]:
@@ -410,7 +420,7 @@ class KafkaInput:
                 t0 = time.perf_counter()
                 # Just what the next batch needs: the source is polled once per batch
                 # (heartbeats, rebalances) and keeps the rest of a fetch buffered.
-                chunk, rejected = source.read(max(1, batcher.batch_size - batcher.pending_rows))
+                chunk, rejected = self._read(max(1, batcher.batch_size - batcher.pending_rows))
                 if monitor is not None:
                     monitor.on_read(chunk, rejected, time.perf_counter() - t0)
                 if not dead_letter_or_stop(dead_letter, rejected, stop):
@@ -450,7 +460,7 @@ class KafkaInput:
             time.sleep(0.01)
             return
         t0 = time.perf_counter()
-        chunk, rejected = self.source.read()
+        chunk, rejected = self._read()
         monitor.on_read(chunk, rejected, time.perf_counter() - t0)
         dead_letter.write(rejected)
         self.source.rejects_written()

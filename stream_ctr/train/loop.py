@@ -31,7 +31,7 @@ from stream_ctr.telemetry.monitor import RunMonitor
 from stream_ctr.telemetry.progress import Progress
 from stream_ctr.train.batches import StopSignal
 from stream_ctr.connectors.kafka.client import StreamGone
-from stream_ctr.train.inputs import FileInput, KafkaInput, Ready, held_out_start
+from stream_ctr.train.inputs import FileInput, KafkaInput, Ready, Revoked, held_out_start
 from stream_ctr.train.streaming import open_dead_letter, source_format, stream_url
 from stream_ctr.store import resume_store_config
 from stream_ctr.threads import ThreadChoice, choose_threads
@@ -195,14 +195,13 @@ class Run:
 
     def open_input(self, cfg: Config) -> FileInput | KafkaInput:
         """The run's source behind the one protocol (inputs.py): a file, or a topic whose
-        rebalances checkpoint (`before_commit`) unless the job checkpoints them itself."""
+        revocations the loop checkpoints (`revoked`) unless the job checkpoints them itself."""
         url = stream_url(cfg)
         if url is None:
             return FileInput(cfg, self.job.processes_per_host, self.job.stripe)
-        # A job's checkpoint is a collective: it cannot run inside a rebalance listener.
-        before_commit = None if self.job.is_job else self.checkpoint_before_commit
-        return KafkaInput(cfg, url, lambda: self.total_before + self.summary.records_trained, before_commit,
-                          wait_for_peers=self.job.is_job)
+        # A job's checkpoint is a collective: it comes at the next step the ranks agree on.
+        return KafkaInput(cfg, url, lambda: self.total_before + self.summary.records_trained,
+                          checkpoints_revocations=not self.job.is_job, wait_for_peers=self.job.is_job)
 
     def restore(self, state: CheckpointState) -> None:
         """The trainer, window and counters of a checkpoint."""
@@ -299,11 +298,13 @@ class Run:
             return "prequential window"
         return f"window of re-read rows, pass {min(self.epoch + 1, n)} of {n}: not held out"
 
-    def checkpoint_before_commit(self) -> None:
-        """Inside a rebalance: what was trained from the revoked partitions becomes durable
-        before the input commits their offsets for the next owner (its positions mark them
-        given up, see connectors/kafka/positions.py)."""
-        self.checkpoint(commit=False)
+    def revoked(self, event: Revoked) -> None:
+        """A rebalance took partitions (the group waits for this member): what was trained
+        from them becomes durable before the input commits their offsets for the next
+        owner, when the loop asks for its next event (the checkpoint's positions mark them
+        given up, see connectors/kafka/positions.py). A lost membership commits nothing."""
+        if not event.lost:
+            self.checkpoint(commit=False)
 
     def checkpoint(self, commit: bool = True) -> None:
         """Write a durable checkpoint (this rank's, in a job); then commit its positions
@@ -465,7 +466,9 @@ def _train(cfg: Config, resume: str | None, show_progress: bool) -> RunSummary:
             # A tiered store prefetches the next batch's rows while this one trains.
             with contextlib.closing(run.events(stop, look_ahead=cfg.store.kind == "tiered")) as events:
                 for event in events:
-                    if not isinstance(event, Ready):    # Revoked: already checkpointed; Idle: read on
+                    if isinstance(event, Revoked):
+                        run.revoked(event)
+                    if not isinstance(event, Ready):    # Idle: read on
                         continue
                     batch = run.input.owned(event.batch)    # a rebalance since it was read?
                     if not len(batch):

@@ -290,10 +290,11 @@ def plan_order(names) -> list[str]:
     return sorted(names, key=split_partition_name)
 
 
-def offset_ordered_batches(source: "KafkaSource", batcher: OffsetOrderBatcher, dead_letter,
-                           limit_records: int, max_delay_s: float, stop: "StopSignal",
+def offset_ordered_batches(source: "KafkaSource", read: Callable[[int], tuple], batcher: OffsetOrderBatcher,
+                           dead_letter, limit_records: int, max_delay_s: float, stop: "StopSignal",
                            monitor=None) -> Iterator[Batch | Idle]:
-    """The batches of a stream under `kafka.deterministic_batches`: the plan's batches, a
+    """The batches of a stream under `kafka.deterministic_batches`, its chunks from
+    `read` (the source's read, with what the input does on a revocation): the plan's batches, a
     recorded cut when the latency budget is spent or the stream is idle; at most
     `limit_records` rows when it is >= 0; IDLE after a read that brought nothing. Ends
     like the fetch-order batches (`inputs.KafkaInput`): idle, the limit, or a stop."""
@@ -322,7 +323,7 @@ def offset_ordered_batches(source: "KafkaSource", batcher: OffsetOrderBatcher, d
             yield batch
             continue
         t0 = time.perf_counter()
-        chunk, rejected = source.read(batcher.batch_size)
+        chunk, rejected = read(batcher.batch_size)
         if monitor is not None:
             monitor.on_read(chunk, rejected, time.perf_counter() - t0)
         if not dead_letter_or_stop(dead_letter, rejected, stop):

@@ -19,14 +19,14 @@ LINES = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:3000]
 pytestmark = pytest.mark.usefixtures("kafka_client")
 
 
-def open_source(kafka, topic, group, positions=None, on_revoke=None, **options):
+def open_source(kafka, topic, group, positions=None, hold_revocations=False, **options):
     """A source resuming at `positions`, a checkpoint's dict (read back as a resume does)."""
     if positions is not None:
         positions = KafkaPositions.from_checkpoint(positions)
     options.setdefault("stop_when_idle_s", 1.5)
     chunk = options.pop("chunk", 700)
     url = parse_kafka_url(kafka.url(topic, group), kafka_test_options(**options))
-    return KafkaSource(url, positions=positions, on_revoke=on_revoke, chunk_records=chunk)
+    return KafkaSource(url, positions=positions, hold_revocations=hold_revocations, chunk_records=chunk)
 
 
 def drain(source, max_records=None, train=True):
@@ -211,7 +211,7 @@ def test_start_position_when_neither_checkpoint_nor_group_has_one(kafka):
 
 
 def test_a_revocation_checkpoint_keeps_the_revoked_positions_and_a_resume_uses_them(kafka):
-    """The revoke hook checkpoints the model; its positions must hold the revoked
+    """The trainer checkpoints when a revocation reaches it; its positions must hold the revoked
     partitions (marked given up), or a crash before the next checkpoint resumes them
     from the group's offset -- which on tansu has lost the rows_done of a packed
     message split by a batch (the broker drops commit metadata), or which is older
@@ -221,8 +221,7 @@ def test_a_revocation_checkpoint_keeps_the_revoked_positions_and_a_resume_uses_t
     values = [b"\n".join(LINES[i:i + 50]) for i in range(0, 400, 50)]    # 8 messages of 50 lines
     kafka.produce(topic, values, partitions=[i % 2 for i in range(8)])
     at_revocation = []
-    source = open_source(kafka, topic, "g-given-up", stop_when_idle_s=0, chunk=30,
-                         on_revoke=lambda names, lost: at_revocation.append(source.trained_positions.to_checkpoint()))
+    source = open_source(kafka, topic, "g-given-up", stop_when_idle_s=0, chunk=30, hold_revocations=True)
     trained = []
     while sum(map(len, trained)) < 120:           # 4 batches of 30 split packed messages
         batch, _ = source.read(30)
@@ -244,6 +243,9 @@ def test_a_revocation_checkpoint_keeps_the_revoked_positions_and_a_resume_uses_t
     deadline = time.monotonic() + 60
     while not at_revocation and time.monotonic() < deadline:
         source.read(30)                           # rows read now are not trained: a "crash"
+        if source.revocation is not None:         # the group waits while the trainer checkpoints
+            at_revocation.append(source.trained_positions.to_checkpoint())
+            source.acknowledge(durable=True)
     leave.set()
     member.join(timeout=30)
     source.close()

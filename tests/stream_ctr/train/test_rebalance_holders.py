@@ -12,6 +12,7 @@ from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.kafka.positions import GIVEN_UP, ROWS_DONE, PositionBook, given_up_positions
 from stream_ctr.config import Config
 from stream_ctr.connectors.kafka.options import parse_kafka_url
+from stream_ctr.connectors.kafka.source import Revocation
 from stream_ctr.train.batches import LookAhead
 from stream_ctr.train.events import IDLE, Ready, Revoked
 from stream_ctr.train.inputs import KafkaInput, ready_events
@@ -55,33 +56,54 @@ def test_without_look_ahead_every_batch_is_handed_out_as_read():
     assert events[1] is IDLE and events[0].upcoming is None
 
 
-def kafka_input(before_commit=None) -> KafkaInput:
+class Acknowledgements:
+    """Records what the input tells the source about a revocation (the real source's
+    `acknowledge` is exercised against a broker in tests/connectors/kafka/test_source.py)."""
+    def __init__(self):
+        self.given = []
+        self.revocation = None
+
+    def acknowledge(self, durable: bool) -> None:
+        self.given.append(durable)
+
+    def owned_rows(self, batch: Batch) -> Batch:
+        return batch
+
+
+def kafka_input(checkpoints_revocations=True) -> KafkaInput:
     cfg = Config()
     cfg.data.source, cfg.data.batch_size = "kafka://127.0.0.1:9/t", 100     # never connected here
-    return KafkaInput(cfg, parse_kafka_url(cfg.data.source, cfg.kafka), lambda: 0, before_commit)
+    inp = KafkaInput(cfg, parse_kafka_url(cfg.data.source, cfg.kafka), lambda: 0, checkpoints_revocations)
+    inp.source = Acknowledgements()
+    return inp
 
 
 def test_revoke_drops_pending_cut_and_handed_out_rows_then_tells_the_loop():
-    durable = []
-    source = kafka_input(before_commit=lambda: durable.append(True))
+    source = kafka_input()
     source.batcher.add(rows([(0, 10), (1, 10)]))
     source._ready = [rows([(0, 5), (1, 5)]), rows([(0, 6)])]
     in_hand = rows([(0, 4), (1, 4)])       # handed out, not yet trained (a rank agreeing on its step)
-    source._on_revoke(["t/0"], lost=False)
+    source._take_revocation(Revocation(("t/0",), False))
     assert [pairs(b) for b in source._ready] == [[("t/1", 5)]]
     assert pairs(source.owned(in_hand)) == [("t/1", 4)]
     assert pairs(source.batcher.flush()) == [("t/1", 10)]
-    assert durable == [True]                # made durable before the source commits
-    assert list(source._with_revocations(iter([]))) == [Revoked(("t/0",), False)]
+    events = source._with_revocations(iter([]))
+    assert next(events) == Revoked(("t/0",), False)
+    assert source.source.given == []        # nothing committed before the loop has checkpointed
+    assert list(events) == []
+    assert source.source.given == [True]    # asked for the next event: commit
 
 
-def test_a_lost_membership_or_a_job_does_not_checkpoint_inside_the_listener():
-    durable = []
-    source = kafka_input(before_commit=lambda: durable.append(True))
-    source._on_revoke(["t/1"], lost=True)   # nothing can be committed: no checkpoint for it
-    job = kafka_input(before_commit=None)   # a job checkpoints at its next agreed step
-    job._on_revoke(["t/1"], lost=False)
-    assert durable == []
+def test_a_loop_that_stops_at_a_revocation_commits_nothing_and_a_job_commits_at_once():
+    source = kafka_input()
+    source._take_revocation(Revocation(("t/1",), False))
+    events = source._with_revocations(iter([]))
+    assert next(events) == Revoked(("t/1",), False)
+    events.close()                          # no checkpoint was made: nothing may be committed
+    assert source.source.given == [False]
+    job = kafka_input(checkpoints_revocations=False)    # a job checkpoints at its next agreed step
+    job._take_revocation(Revocation(("t/1",), False))
+    assert job.source.given == [True]
     assert list(job._with_revocations(iter([]))) == [Revoked(("t/1",), False)]
 
 

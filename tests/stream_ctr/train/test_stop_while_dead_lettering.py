@@ -57,7 +57,7 @@ def test_the_batch_of_unsent_dead_letters_is_not_trained(kafka, dead_letter_with
     cfg = Config()
     cfg.data.source, cfg.data.batch_size, cfg.data.max_batch_delay_s = kafka.url(topic, "stop"), 256, 1e9
     url = parse_kafka_url(cfg.data.source, kafka_test_options(stop_when_idle_s=60))
-    source = KafkaInput(cfg, url, trained_records=lambda: 0, before_commit=None)
+    source = KafkaInput(cfg, url, trained_records=lambda: 0, checkpoints_revocations=False)
     try:
         events = list(source.events(-1, stop_after(3.0), dead_letter_with_its_broker_gone, None,
                                     look_ahead=False))
@@ -80,7 +80,7 @@ def test_a_bad_record_right_after_the_trained_rows_stays_ahead_of_the_positions(
     cfg = Config()
     cfg.data.source, cfg.data.batch_size, cfg.data.max_batch_delay_s = kafka.url(topic, "stop-at"), 100, 1e9
     url = parse_kafka_url(cfg.data.source, kafka_test_options(stop_when_idle_s=60))
-    source = KafkaInput(cfg, url, trained_records=lambda: 0, before_commit=None)
+    source = KafkaInput(cfg, url, trained_records=lambda: 0, checkpoints_revocations=False)
     stop = StopSignal()
 
     class Sink:
