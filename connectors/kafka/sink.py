@@ -29,7 +29,10 @@ asked for while it retries (SIGTERM with the broker down) ends the wait with
 checkpoint stays before them and a resumed run reads them again (and finds
 those that landed after all).  An error the broker will not get over by
 retrying (a message too large for it, no permission to write the topic) is a
-`SourceError` naming the topic, not an endless retry.
+`SourceError` naming the topic, not an endless retry.  A record the broker
+acknowledges as a duplicate (it has seen the producer's sequence number) is
+looked for on the topic and sent again if it is not there: a broker killed
+between storing the sequence number and the record would otherwise lose it.
 """
 from __future__ import annotations
 
@@ -51,12 +54,20 @@ READ_BACK_QUIET_POLLS = 2         # ... done after this many empty polls (of 1 s
 # restart that kept the log but not the producer state (tansu does that): a new
 # producer (a new producer id) sends the records again.
 _PRODUCER_STATE_ERRORS = ("OutOfOrderSequenceNumberError", "UnknownProducerIdError",
-                          "InvalidProducerEpochError")
+                          "InvalidProducerEpochError", "DuplicateNotFound")
 FLUSH_SLICE_S = 1.0               # how often a waiting write looks for a stop
 
 
 class DeadLetterUnsent(RuntimeError):
     """A stop came while rejected records were still unacknowledged by the broker."""
+
+
+class DuplicateNotFound(RuntimeError):
+    """The broker acknowledged a record as a duplicate of one it held already (an idempotent
+    producer's sequence number it had seen), and reading the topic back did not find it:
+    the broker recorded the sequence number but not the record (tansu on s3:// storage
+    does that when it is killed between the two writes).  Sent again by a new producer."""
+    retriable = True
 
 
 def make_producer(url: KafkaUrl, **settings):
@@ -157,7 +168,8 @@ class KafkaDeadLetter:
         pending = list(rejected)
         delay = 0.5
         while pending:
-            sends, failed = [], []
+            sends, failed, duplicates = [], [], []
+            before = self._known_ends()
             for r in pending:
                 try:
                     sends.append((r, self._send(r)))
@@ -165,10 +177,13 @@ class KafkaDeadLetter:
                     failed.append((r, e))
             self._flush(len(pending), stop)
             failed += [(r, future.exception) for r, future in sends if future.failed()]
-            for _, future in sends:
+            for r, future in sends:
                 if future.succeeded():
                     meta = future.value
+                    if meta.offset < 0:         # "a duplicate": held already, the broker says
+                        duplicates.append(r)
                     self._acked[meta.partition] = max(self._acked.get(meta.partition, 0), meta.offset + 1)
+            failed += [(r, DuplicateNotFound()) for r in self._not_on_topic(duplicates, before)]
             stale = [type(e).__name__ for _, e in failed if type(e).__name__ in _PRODUCER_STATE_ERRORS]
             if stale:
                 log.warning("kafka: dead-letter topic %s: the broker lost this producer's state (%s; "
@@ -261,7 +276,41 @@ class KafkaDeadLetter:
 
     def entries_since(self, position: dict[str, int]) -> list[Entry]:
         """The records the topic holds past `position` (a `position()` of an earlier run),
-        read back from their headers; SourceError if the broker does not hand them over.
+        read back from their headers; SourceError if the broker does not hand them over."""
+        out, ends = self._read_back({int(p): n for p, n in position.items()})
+        self._ends = ends
+        return out
+
+    def _known_ends(self) -> dict[int, int]:
+        """Per partition, an offset at or before the topic's end now, with no broker
+        request: where this producer's acknowledgements or the last read-back left it."""
+        return {**(self._ends or {}), **self._acked}
+
+    def _not_on_topic(self, duplicates: list[Rejected], since: dict[int, int]) -> list[Rejected]:
+        """Of `duplicates` (acknowledged by the broker as held already), those the topic
+        does not hold at or past `since`.  A real Kafka answers "duplicate" only for a
+        record it holds (a retried send whose first answer was lost); a broker that stored
+        the sequence number and then died before the record must not lose a dead letter."""
+        if not duplicates:
+            return []
+        held, _ends = self._read_back(since)
+        found = Counter(e[:2] for e in held)
+        missing = []
+        for r in duplicates:
+            key = (r.partition, r.offset)
+            if found[key] > 0:
+                found[key] -= 1
+            else:
+                missing.append(r)
+        if missing:
+            log.warning("kafka: dead-letter topic %s: the broker acknowledged %d records as duplicates "
+                        "but does not hold them (it lost them in a restart?); sending them again",
+                        self.topic, len(missing))
+        return missing
+
+    def _read_back(self, since: dict[int, int]) -> tuple[list[Entry], dict[int, int]]:
+        """The records the topic holds from `since` (partition -> offset; the log's start
+        for a partition not in it) to its end, and where each partition ended.
 
         Read until the broker has nothing more, not to its reported end offsets: a broker
         may report them behind its log (tansu on s3:// storage did, by 8 of 15 records)."""
@@ -275,7 +324,7 @@ class KafkaDeadLetter:
             reported, firsts = consumer.end_offsets(tps), consumer.beginning_offsets(tps)
             consumer.assign(tps)
             for tp in tps:
-                consumer.seek(tp, max(position.get(str(tp.partition), 0), firsts[tp]))
+                consumer.seek(tp, max(since.get(tp.partition, 0), firsts[tp]))
             quiet, waited_since = 0, time.monotonic()
             while quiet < READ_BACK_QUIET_POLLS:
                 polled = consumer.poll(timeout_ms=1000)
@@ -290,16 +339,15 @@ class KafkaDeadLetter:
                 elif time.monotonic() - waited_since > READ_BACK_TIMEOUT_S:
                     raise SourceError(
                         f"dead-letter topic {self.topic}: the broker did not hand over its records "
-                        f"after the run's checkpoint in {READ_BACK_TIMEOUT_S:.0f} s (needed so that "
-                        f"none is dead-lettered twice); check the broker and resume again")
-            self._ends = {tp.partition: max(consumer.position(tp), int(reported[tp])) for tp in tps}
+                        f"in {READ_BACK_TIMEOUT_S:.0f} s (needed so that none is dead-lettered twice "
+                        f"or lost); check the broker and resume again")
+            ends = {tp.partition: max(consumer.position(tp), int(reported[tp])) for tp in tps}
         except KafkaError as e:
-            raise SourceError(f"dead-letter topic {self.topic}: cannot read back the records "
-                              f"produced after the run's checkpoint ({type(e).__name__}: {e}); "
-                              f"check the broker and resume again") from None
+            raise SourceError(f"dead-letter topic {self.topic}: cannot read back its records "
+                              f"({type(e).__name__}: {e}); check the broker and resume again") from None
         finally:
             consumer.close(autocommit=False)
-        return out
+        return out, ends
 
     @property
     def total(self) -> int:
