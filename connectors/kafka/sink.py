@@ -168,7 +168,7 @@ class KafkaDeadLetter:
         pending = list(rejected)
         delay = 0.5
         while pending:
-            sends, failed, duplicates = [], [], []
+            sends, failed, duplicates, landed = [], [], [], []
             before = self._known_ends()
             for r in pending:
                 try:
@@ -180,10 +180,10 @@ class KafkaDeadLetter:
             for r, future in sends:
                 if future.succeeded():
                     meta = future.value
-                    if meta.offset < 0:         # "a duplicate": held already, the broker says
-                        duplicates.append(r)
+                    # offset -1: "a duplicate", held already, the broker says
+                    (duplicates if meta.offset < 0 else landed).append(r)
                     self._acked[meta.partition] = max(self._acked.get(meta.partition, 0), meta.offset + 1)
-            failed += [(r, DuplicateNotFound()) for r in self._not_on_topic(duplicates, before)]
+            failed += [(r, DuplicateNotFound()) for r in self._not_on_topic(duplicates, landed, before)]
             stale = [type(e).__name__ for _, e in failed if type(e).__name__ in _PRODUCER_STATE_ERRORS]
             if stale:
                 log.warning("kafka: dead-letter topic %s: the broker lost this producer's state (%s; "
@@ -286,15 +286,19 @@ class KafkaDeadLetter:
         request: where this producer's acknowledgements or the last read-back left it."""
         return {**(self._ends or {}), **self._acked}
 
-    def _not_on_topic(self, duplicates: list[Rejected], since: dict[int, int]) -> list[Rejected]:
+    def _not_on_topic(self, duplicates: list[Rejected], landed: list[Rejected],
+                      since: dict[int, int]) -> list[Rejected]:
         """Of `duplicates` (acknowledged by the broker as held already), those the topic
-        does not hold at or past `since`.  A real Kafka answers "duplicate" only for a
-        record it holds (a retried send whose first answer was lost); a broker that stored
-        the sequence number and then died before the record must not lose a dead letter."""
+        does not hold at or past `since` besides the `landed` ones (acknowledged at an
+        offset in the same write: the lines of a packed message share one identity).
+        A real Kafka answers "duplicate" only for a record it holds (a retried send whose
+        first answer was lost); a broker that stored the sequence number and then died
+        before the record must not lose a dead letter."""
         if not duplicates:
             return []
         held, _ends = self._read_back(since)
         found = Counter(e[:2] for e in held)
+        found.subtract((r.partition, r.offset) for r in landed)
         missing = []
         for r in duplicates:
             key = (r.partition, r.offset)
