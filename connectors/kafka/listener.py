@@ -7,9 +7,10 @@ Whatever it does to the source runs on the source's own thread
 (`KafkaSource._listener_call`), and a revocation waits for the trainer's
 acknowledgement before its offsets are committed; the commit is awaited through
 the asynchronous API (a blocking consumer call here would wait for this very IO
-thread).  An error on the source's side (say a checkpoint that cannot be
-written) is handed back to the source's thread and raised from ``read()``,
-never swallowed.
+thread).  An error the listener meets (say a commit the broker refuses) is
+handed to the source (`listener_failed`) and raised from its next ``read()``,
+never swallowed; a checkpoint that cannot be written reaches the listener as
+``acknowledge(durable=False)``: nothing is committed.
 """
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ class RebalanceOwner(Protocol):
     """What the listener needs of its `KafkaSource` (declared here so that this
     module does not import the source that imports it)."""
     _consumer: Any
-    _listener_error: BaseException | None
     stats: Any
 
+    def listener_failed(self, error: BaseException) -> None: ...
     def _on_revoked(self, partitions: set, lost: bool) -> tuple[dict, Any]: ...
     def _on_assigned(self, partitions: set) -> None: ...
     def _listener_call(self, fn: Any, *args: Any) -> Any: ...
@@ -44,7 +45,7 @@ class Listener(AsyncConsumerRebalanceListener):
             # The trainer takes the revocation in and checkpoints; only then commit.
             durable = ack is None or ack.result()
         except BaseException as e:          # noqa: BLE001 - re-raised on the caller's thread
-            source._listener_error = e
+            source.listener_failed(e)
             return
         if not offsets or not durable:
             return
@@ -66,7 +67,7 @@ class Listener(AsyncConsumerRebalanceListener):
             if ack is not None:
                 ack.result()
         except BaseException as e:          # noqa: BLE001
-            source._listener_error = e
+            source.listener_failed(e)
 
     async def on_partitions_assigned(self, assigned: set) -> None:
         source = self._source
@@ -75,4 +76,4 @@ class Listener(AsyncConsumerRebalanceListener):
                 source._consumer.pause(*assigned)   # on this thread, librdkafka's callback holds its lock)
             source._listener_call(source._on_assigned, assigned)
         except BaseException as e:          # noqa: BLE001
-            self._source._listener_error = e
+            self._source.listener_failed(e)

@@ -48,8 +48,9 @@ gets its thread back: it can stop, and a stream end is never decided while a
 poll is out.  The rebalance listener runs inside the poll (kafka-python: on its
 IO thread ``kafka-io-*``; confluent: on the poll thread); everything it does
 to the source it hands to the source's own thread, which runs it while it
-waits for the poll, or at its next read (within one train step): no two
-threads ever change the source's state at once, and the consumer is used by
+waits for the poll, or at its next read (within one train step): until
+``close()`` no two threads change the source's state at once (closing, the
+listener's calls run where they come from), and the consumer is used by
 one thread at a time (a commit asked for while a poll is out is made when it
 returns).  On revocation the source drops every row of the revoked
 partitions it has not returned; with ``hold_revocations`` it then holds the
@@ -304,6 +305,7 @@ class KafkaSource:
         self._idle_since = time.monotonic()
         self._watch = BrokerWatch(url, self.stats)
         self._listener_error: BaseException | None = None
+        self._error_lock = threading.Lock()
         self._highwater: dict[str, int] = {}         # per partition, from the last fetch response
         self._offsets_unreadable_since: float | None = None   # the group's offsets fail to load since
         self._missing: set[str] = set()              # partitions the broker's metadata did not list
@@ -323,10 +325,14 @@ class KafkaSource:
         """Up to `max_records` decoded rows (default `chunk_records`) and the
         records rejected since the last call; may return an empty Batch.
 
-        Every call polls the consumer, so heartbeats and rebalances progress
-        between train steps; it waits (at most about `options.poll_timeout_s`,
-        longer only while a rebalance listener runs or a new partition is
-        positioned) only when fewer than `max_records` rows are buffered."""
+        A call starts a consumer poll when none is out and no revocation is held
+        (a held one waits for `acknowledge`), so heartbeats and rebalances
+        progress between train steps.  It waits only when fewer than
+        `max_records` rows are buffered: at most about `options.poll_timeout_s` +
+        `POLL_GRACE_S` for a poll (twice when the first poll's records are still
+        decoding and a second one overlaps them), longer only while a commit
+        deferred by that poll is made (up to kafka.commit_timeout_s) or a new
+        partition is positioned."""
         want = self.chunk_records if max_records is None else max_records
         if not self._closing:        # with runs still decoding, waiting is `_collect`'s business
             self._poll(want - self._buffered - self._rows_decoding(), prefetch=bool(self._decoding))
@@ -465,26 +471,35 @@ class KafkaSource:
         deferred by a poll in flight is made first).  A poll still in flight is waited
         for up to `CLOSE_WAIT_S`; if it does not return, the consumer is left as it is
         (the group drops this member after kafka.session_timeout_ms)."""
-        if self._consumer is not None:
-            self._closing = True
-            if self._revocation is not None:    # taken in but never checkpointed: no commit
-                self.acknowledge(durable=False)
-            settled = self._settle_poll(CLOSE_WAIT_S)
-            if settled and self._deferred_commit is not None:
-                self.commit(self._deferred_commit)
-            if settled:
-                try:
-                    self._consumer.close(autocommit=False)
-                except Exception as e:          # the broker may be gone; nothing to lose here
-                    log.warning("kafka: consumer close: %s", e)
-            else:
-                log.warning("kafka: the consumer is still inside a poll after %.0f s (a group join "
-                            "the broker does not complete); leaving it without closing: the group "
-                            "drops this member after kafka.session_timeout_ms", CLOSE_WAIT_S)
-            self._poller.stop()
-            self._consumer = None
-        self._decoder.shutdown(wait=True, cancel_futures=True)
-        self._decoding.clear()
+        try:
+            if self._consumer is not None:
+                self._close_consumer()
+        finally:
+            if self._consumer is not None:
+                self._poller.stop()
+                self._consumer = None
+            self._decoder.shutdown(wait=True, cancel_futures=True)
+            self._decoding.clear()
+
+    def _close_consumer(self) -> None:
+        self._closing = True
+        if self._revocation is not None:    # taken in but never checkpointed: no commit
+            self.acknowledge(durable=False)
+        if not self._settle_poll(CLOSE_WAIT_S):
+            log.warning("kafka: the consumer is still inside a poll after %.0f s (a group join "
+                        "the broker does not complete?); leaving it without closing: the group "
+                        "drops this member after kafka.session_timeout_ms", CLOSE_WAIT_S)
+            if self._deferred_commit is not None:
+                log.warning("kafka: the last checkpoint's offsets were not committed to the group "
+                            "(the consumer was inside that poll); a restart resumes from the "
+                            "checkpoint, which holds them")
+            return
+        if self._deferred_commit is not None:
+            self.commit(self._deferred_commit)
+        try:
+            self._consumer.close(autocommit=False)
+        except Exception as e:          # the broker may be gone; nothing to lose here
+            log.warning("kafka: consumer close: %s", e)
 
     def __enter__(self) -> "KafkaSource":
         return self
@@ -516,8 +531,8 @@ class KafkaSource:
             budget_s += POLL_GRACE_S
         waited = self._in_flight_waits
         fetched = self._await_poll(budget_s)
-        if self._listener_error is not None:
-            error, self._listener_error = self._listener_error, None
+        error = self.take_listener_error()
+        if error is not None:
             raise error
         now = time.monotonic()
         self._notice_waits(now)
@@ -545,8 +560,8 @@ class KafkaSource:
             self._said_stuck = False
         elif not self._said_stuck and now - self._in_flight_since >= STUCK_POLL_NOTICE_S:
             self._said_stuck = True
-            log.warning("kafka: the consumer's poll has not returned for %.0f s: the group "
-                        "coordinator on %s does not complete this member's join (a broker "
+            log.warning("kafka: the consumer's poll has not returned for %.0f s: most likely the "
+                        "group coordinator on %s does not complete this member's join (a broker "
                         "problem; kafka.session_timeout_ms is %.0f s). The trainer keeps what it "
                         "trained and can be stopped as usual; a restart resumes from its checkpoint",
                         now - self._in_flight_since, self.options.bootstrap,
@@ -579,7 +594,7 @@ class KafkaSource:
         except KafkaError as e:
             if not getattr(e, "retriable", False) and "Authentication" in type(e).__name__:
                 raise SourceError(f"kafka: {self.url.text}: authentication failed: {e}") from None
-            if self._listener_error is None:
+            if self._listener_error is None and not self._closing:
                 log.warning("kafka: poll failed (%s); retrying", e)
             return {}
 
@@ -596,9 +611,21 @@ class KafkaSource:
                 return False
             try:
                 self._await_poll(remaining)
-            except SourceError as e:
-                log.warning("kafka: %s", e)
+            except Exception as e:      # noqa: BLE001 - closing: the poll's records are dropped anyway
+                log.warning("kafka: the last poll failed while closing: %s: %s", type(e).__name__, e)
         return True
+
+    def listener_failed(self, error: BaseException) -> None:
+        """The rebalance listener's error, raised from the next `read()` (any thread; the
+        first one is kept: a later one is a consequence)."""
+        with self._error_lock:
+            if self._listener_error is None:
+                self._listener_error = error
+
+    def take_listener_error(self) -> BaseException | None:
+        with self._error_lock:
+            error, self._listener_error = self._listener_error, None
+        return error
 
     def _notify(self, _future: Future | None = None) -> None:
         with self._wake:
@@ -691,7 +718,7 @@ class KafkaSource:
         """Take decoded runs into the buffer, oldest first, while fewer than `want`
         rows are buffered, waiting for them if need be.  While the oldest is still
         decoding and fewer than 2 * `want` rows are in sight, poll for the next run
-        first: that fetching (this thread) overlaps the decoding (the worker).  Runs
+        first: that fetching (the poll thread) overlaps the decoding (the worker).  Runs
         beyond `want` stay queued, so the next read() finds them without waiting on
         the broker.  A poll may run the rebalance listener, which takes every run in
         itself; so the queue is looked at afresh after each."""
@@ -704,8 +731,8 @@ class KafkaSource:
             self._take_in(self._decoding.popleft())
 
     def _take_in(self, run: _Decoding) -> None:
-        """Put a decoded run into the buffer (on the caller's thread, or the listener's
-        while the caller is blocked in poll)."""
+        """Put a decoded run into the buffer (on the source's own thread, where the
+        listener's calls run too)."""
         decoded = run.future.result()
         names, msg_partition, msg_offset = run.names, run.msg_partition, run.msg_offset
         for index, name in enumerate(names):

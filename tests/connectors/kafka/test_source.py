@@ -265,3 +265,34 @@ def test_a_revocation_checkpoint_keeps_the_revoked_positions_and_a_resume_uses_t
     for name, offset in everything:
         per_message[(name, offset)] = per_message.get((name, offset), 0) + 1
     assert set(per_message.values()) == {50} and len(per_message) == 8
+
+
+def test_an_unexpected_poll_error_is_raised_and_close_still_leaves_the_group(kafka, caplog):
+    """A poll failing with an error that is not Kafka's (a bug, a client's internal state)
+    reaches the caller from read(); close() after it still stops the poll thread, closes
+    the consumer (leaving the group) and raises nothing, so a run's own error is the one
+    its user sees."""
+    topic = kafka.topic()
+    kafka.produce(topic, LINES[:200])
+    source = open_source(kafka, topic, "g-poll-error")
+    rows = drain(source)
+    assert len(rows) == 200
+    consumer, closed = source._consumer, []
+    close_consumer = consumer.close
+
+    def close_and_note(**kw):
+        closed.append(kw)
+        close_consumer(**kw)
+    consumer.close = close_and_note
+
+    def broken(**_kw):
+        raise RuntimeError("the client's state is broken")
+    source._poller._poll = broken
+    with pytest.raises(RuntimeError, match="state is broken"):
+        for _ in range(3):
+            source.read(10)
+    source._in_flight = source._poller.submit(0, 1)     # and one in flight when close() comes
+    source.close()
+    assert source._consumer is None
+    assert "the last poll failed while closing: RuntimeError" in caplog.text
+    assert closed == [{"autocommit": False}]            # the consumer left the group
