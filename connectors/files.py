@@ -120,6 +120,14 @@ class GzipStream(io.RawIOBase):
 
     def _inflate(self, limit: int) -> bytes:
         """At most `limit` bytes inflated from the next piece of input (maybe none)."""
+        if not self._in and self._member is not None:
+            # zlib may hold output back at a call's limit with all of its input taken in:
+            # return that before reading on (the file may end right there, truncated).
+            held = self._member.decompress(b"", limit)
+            if held:
+                if self._member.eof:
+                    self._member = None
+                return held
         if not self._in and not self._read_more():
             return b""
         if self._member is None and not self._start_member():

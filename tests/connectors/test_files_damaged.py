@@ -278,3 +278,24 @@ def zlib_prefix(cut: bytes) -> tuple[bytes, bool]:
         out.append(member.decompress(rest))
         rest, complete = (member.unused_data, True) if member.eof else (b"", False)
     return b"".join(out), complete
+
+
+def test_bytes_zlib_held_back_at_a_reads_limit_come_before_the_truncation(tmp_path):
+    """A read that stops at its size can leave inflated output inside zlib with all the
+    input taken in; a file cut in the trailer right after must still give that byte
+    before GzipDamage (found by the property test above: 5 of 6 bytes came back)."""
+    member = b"\x00\x00\x00\x00\x01\x00"
+    whole = gzip.compress(member, mtime=0)
+    path = tmp_path / "x.gz"
+    path.write_bytes(whole[:17])
+    old = files.GZIP_IN_BYTES
+    files.GZIP_IN_BYTES = 3
+    try:
+        stream, parts = files.GzipStream(path), []
+        with pytest.raises(GzipDamage) as damage:
+            for size in (5, 1, 1):
+                parts.append(stream.read(size))
+        assert b"".join(parts) == member
+        assert damage.value.kind == "truncated" and damage.value.at == 17
+    finally:
+        files.GZIP_IN_BYTES = old
