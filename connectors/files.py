@@ -123,7 +123,11 @@ class GzipStream(io.RawIOBase):
         if not self._in and self._member is not None:
             # zlib may hold output back at a call's limit with all of its input taken in:
             # return that before reading on (the file may end right there, truncated).
-            held = self._member.decompress(b"", limit)
+            try:
+                held = self._member.decompress(b"", limit)
+            except zlib.error as exc:           # (a trailer it had taken in, failing its check)
+                self._fail("corrupt", _inflate_error(exc))
+                return b""
             if held:
                 if self._member.eof:
                     self._member = None
