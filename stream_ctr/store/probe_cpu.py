@@ -96,3 +96,126 @@ def _kernel():
                     break
                 p = (p + 1) & mask
     return find
+
+
+# ---- key/value pairs side by side (`SlotIndex` on the CPU) -------------------------------
+# A table [capacity, 2] int64 of (key, value) rows: a probe reads one cache line where two
+# separate arrays cost two misses, and the start slot is hashed inside the loop (the same
+# splitmix64 mix as `key_index._slot_hash`) instead of by five torch ops over the keys.
+# Measured on a 2M-slot table holding 322K keys, 71K lookups: 0.5 ms against 1.4-1.7 ms.
+def pair_lookup(table: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Value of each of `keys` in a pair table, -1 where absent."""
+    out = torch.empty_like(keys)
+    if keys.numel():
+        _pair_kernels()[0](table.numpy(), keys.contiguous().numpy(), out.numpy())
+    return out
+
+
+def pair_place(table: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> None:
+    """Insert unique, absent keys, each in the first free (never tombstoned) slot of its
+    probe sequence. The table must have a free slot for every key."""
+    if keys.numel():
+        _pair_kernels()[1](table.numpy(), keys.contiguous().numpy(), vals.contiguous().numpy())
+
+
+def pair_remove(table: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Remove `keys` (absent ones are ignored): (their values, -1 where absent; how many
+    were removed). Leaves no tombstone: later entries of the probe run shift back."""
+    out = torch.empty_like(keys)
+    if not keys.numel():
+        return out, 0
+    return out, int(_pair_kernels()[2](table.numpy(), keys.contiguous().numpy(), out.numpy()))
+
+
+@cache
+def _pair_kernels():
+    # Each loop is self-contained (the hash written out in each): a compiled function that
+    # calls another one defined here is not found in numba's cache by a new process.
+    from numba import njit
+
+    @njit(nogil=True, cache=True)
+    def lookup(table, keys, out):
+        mask = table.shape[0] - 1
+        for i in range(keys.shape[0]):
+            k = keys[i]
+            x = k * -7046029254386353131
+            x = x ^ ((x >> 31) & ((1 << 33) - 1))
+            x = x * -4658895280553007687
+            p = (x ^ ((x >> 29) & ((1 << 35) - 1))) & mask
+            out[i] = EMPTY
+            for _ in range(table.shape[0]):         # a full table cannot loop forever
+                s = table[p, 0]
+                if s == k:
+                    out[i] = table[p, 1]
+                    break
+                if s == EMPTY:
+                    break
+                p = (p + 1) & mask
+
+    @njit(nogil=True, cache=True)
+    def place(table, keys, vals):
+        mask = table.shape[0] - 1
+        for i in range(keys.shape[0]):
+            x = keys[i] * -7046029254386353131
+            x = x ^ ((x >> 31) & ((1 << 33) - 1))
+            x = x * -4658895280553007687
+            p = (x ^ ((x >> 29) & ((1 << 35) - 1))) & mask
+            n = 0
+            while table[p, 0] != EMPTY:
+                p = (p + 1) & mask
+                n += 1
+                if n > mask:
+                    raise ValueError("hash map full: no free slot")
+            table[p, 0] = keys[i]
+            table[p, 1] = vals[i]
+
+    @njit(nogil=True, cache=True)
+    def remove(table, keys, out):
+        # Backward-shift deletion: the entries after a removed one that would no longer
+        # be found from their start slot move back into the gap, so the table never holds
+        # tombstones and lookups stay as short as the live load makes them. (With
+        # tombstones a spill index of 750K keys took 7.5 ms to look up 63K keys, 1.3 ms
+        # rebuilt.)
+        mask = table.shape[0] - 1
+        n = 0
+        for i in range(keys.shape[0]):
+            k = keys[i]
+            x = k * -7046029254386353131
+            x = x ^ ((x >> 31) & ((1 << 33) - 1))
+            x = x * -4658895280553007687
+            p = (x ^ ((x >> 29) & ((1 << 35) - 1))) & mask
+            out[i] = EMPTY
+            found = False
+            for _ in range(table.shape[0]):
+                s = table[p, 0]
+                if s == k:
+                    found = True
+                    break
+                if s == EMPTY:
+                    break
+                p = (p + 1) & mask
+            if not found:
+                continue
+            out[i] = table[p, 1]
+            n += 1
+            j = p
+            while True:
+                j = (j + 1) & mask
+                kj = table[j, 0]
+                if kj == EMPTY:
+                    break
+                x = kj * -7046029254386353131
+                x = x ^ ((x >> 31) & ((1 << 33) - 1))
+                x = x * -4658895280553007687
+                h = (x ^ ((x >> 29) & ((1 << 35) - 1))) & mask
+                # The entry at j stays if its start slot h lies cyclically in (p, j].
+                if (p <= j and p < h <= j) or (p > j and (h > p or h <= j)):
+                    continue
+                table[p, 0] = kj
+                table[p, 1] = table[j, 1]
+                p = j
+            table[p, 0] = EMPTY
+            table[p, 1] = EMPTY
+        return n
+
+    return lookup, place, remove

@@ -55,21 +55,56 @@ def test_compiled_cpu_lookup_answers_as_the_probe_rounds(monkeypatch):
     assert torch.equal(compiled >= 0, torch.isin(query, keys))
 
 
-def test_compiled_cpu_find_probes_past_tombstones(monkeypatch):
+def test_removals_leave_every_other_key_findable_on_either_path(monkeypatch):
+    """Removal on the CPU shifts later entries of a probe run back (no tombstones); with
+    the compiled loops off it leaves tombstones. Either way the rest stay findable."""
     from stream_ctr.store.slot_index import SlotIndex
     g = torch.Generator().manual_seed(2)
     keys = torch.unique(torch.randint(0, 2**62, (4_000,), generator=g))
-    index = SlotIndex(max_entries=len(keys))
-    index.insert(keys, torch.arange(len(keys)))
-    gone = keys[::3]
-    index.remove(gone)                               # tombstones inside probe runs
-    compiled = index.lookup(keys)
-    assert (compiled[::3] == -1).all()
-    kept = torch.ones(len(keys), dtype=torch.bool)
-    kept[::3] = False
-    assert torch.equal(compiled[kept], torch.arange(len(keys))[kept])
-    _vectorized(monkeypatch)
-    assert torch.equal(compiled, index.lookup(keys))
+    answers = []
+    for compiled in (True, False):
+        if not compiled:
+            _vectorized(monkeypatch)
+        index = SlotIndex(max_entries=len(keys))
+        assert index.paired == compiled
+        index.insert(keys, torch.arange(len(keys)))
+        gone = keys[::3]
+        assert torch.equal(index.remove(gone), torch.arange(len(keys))[::3])
+        found = index.lookup(keys)
+        assert (found[::3] == -1).all()
+        kept = torch.ones(len(keys), dtype=torch.bool)
+        kept[::3] = False
+        assert torch.equal(found[kept], torch.arange(len(keys))[kept])
+        assert len(index) == int(kept.sum())
+        answers.append(found)
+    assert torch.equal(*answers)
+
+
+def test_a_small_table_churned_by_inserts_and_removals_answers_as_a_dict():
+    """Runs that wrap around the end of the table, removals in the middle of runs and
+    rebuilds: after every round each key answers what a dict holds, and no removed
+    entry is left behind as a tombstone (the table's live entries are exactly the dict)."""
+    from stream_ctr.store.slot_index import SlotIndex
+    g = torch.Generator().manual_seed(5)
+    index, model = SlotIndex(max_entries=8), {}
+    universe = torch.randint(0, 2**62, (64,), generator=g).unique()
+    for round_ in range(300):
+        present = torch.tensor(sorted(model), dtype=torch.int64)
+        absent = universe[~torch.isin(universe, present)]
+        add = absent[torch.randperm(len(absent), generator=g)[:int(torch.randint(0, 6, (1,), generator=g))]]
+        if len(model) + len(add) > 8:
+            add = add[:8 - len(model)]
+        index.insert(add, torch.arange(len(add)) + 100 * round_)
+        model.update({int(k): 100 * round_ + i for i, k in enumerate(add)})
+        drop = present[torch.randperm(len(present), generator=g)[:int(torch.randint(0, 4, (1,), generator=g))]]
+        assert index.remove(drop).tolist() == [model.pop(int(k)) for k in drop]
+        got = index.lookup(universe)
+        assert got.tolist() == [model.get(int(k), -1) for k in universe]
+        live_keys, live_vals = index.items()
+        assert dict(zip(live_keys.tolist(), live_vals.tolist())) == model
+        assert len(index) == len(model)
+        if index.paired:
+            assert not (index.keys == -2).any()
 
 
 def test_tables_built_by_compiled_inserts_and_by_probe_rounds_answer_alike():
