@@ -131,8 +131,8 @@ class DeviceCache:
         """Remove the `n` lowest-priority resident rows, never the slots in `protect`."""
         occupied = self.slot_keys >= 0
         prio = priority(self.meta, policy)
-        prio[~occupied] = _INF
-        prio[protect] = _INF
+        prio.masked_fill_(~occupied, _INF)
+        prio.index_fill_(0, protect, _INF)
         victims = select_victims(prio, self.slot_keys, n)
         return self.remove(victims)
 

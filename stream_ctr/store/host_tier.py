@@ -134,7 +134,7 @@ class HostTier:
     def evict(self, n: int) -> tuple[Rows, int]:
         """Remove the `n` lowest-priority rows: (their dirty rows, clean ones dropped)."""
         prio = priority(self.meta(), self.policy)
-        prio[self.slot_keys < 0] = _INF
+        prio.masked_fill_(self.slot_keys < 0, _INF)
         return self._remove_dirty(select_victims(prio, self.slot_keys, n))
 
     def expire(self, clock: int, newest_event_ms: int, ttl_steps: int,

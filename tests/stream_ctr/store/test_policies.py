@@ -15,6 +15,25 @@ def test_select_victims_breaks_ties_by_key_and_skips_protected():
     assert len(select_victims(prio, keys, 10)) == 6                    # never the protected one
 
 
+def test_compiled_victim_selection_chooses_as_the_torch_ops(monkeypatch):
+    """The CPU's compiled selection against the torch ops it replaces: LRU-like narrow
+    priorities with many ties and protected rows, a wide LFU-like span (handed back to
+    the torch ops), and asking for more rows than are eligible."""
+    from stream_ctr.store import policies
+    inf = torch.iinfo(torch.int64).max
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for n_rows, span, n in ((1_000, 20, 300), (5_000, 3, 2_000), (64, 1 << 40, 10), (50, 5, 80)):
+        prio = torch.randint(100, 100 + span, (n_rows,), generator=g)
+        prio[torch.randperm(n_rows, generator=g)[:n_rows // 5]] = inf
+        keys = torch.randperm(10 * n_rows, generator=g)[:n_rows]
+        cases.append((prio, keys, n))
+    compiled = [select_victims(p, k, n) for p, k, n in cases]
+    monkeypatch.setattr(policies, "_victims_kernel", lambda: (lambda *a: -1))
+    for (p, k, n), got in zip(cases, compiled):
+        assert torch.equal(got, select_victims(p, k, n))
+
+
 def test_lfu_priority_orders_by_count_then_last_step():
     meta = torch.zeros(4, META_FIELDS, dtype=torch.int64)
     meta[:, 0] = torch.tensor([3, 1, 1, 2])          # count
