@@ -19,7 +19,8 @@ Contract:
 * Nothing in it survives a crash or a close: the file is created empty at
   open and deleted at close. Rows spilled since the last checkpoint are lost
   with the rest of the work since it, exactly as LMDB's own rows written since
-  are rolled back on resume. A checkpoint drains the whole spill to LMDB first.
+  are rolled back on resume. A checkpoint writes every spilled row to LMDB (with
+  the cache's and RAM's dirty rows, in key order) and then clears the spill.
 * `drain(incoming)` picks what leaves for LMDB this step: nothing while it is
   under `high_water`; then, in rounds, the keys it held when the round began,
   sorted, `chunk_rows` a step (those still here); and always at least enough
@@ -34,7 +35,6 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -114,13 +114,10 @@ class SpillTier(HostTier):
             got += len(part)
         return Rows.cat(parts, self.layout, torch.device("cpu"))
 
-    def drain_all(self) -> Iterator[Rows]:
-        """Every row, in key order, in chunks (for a checkpoint); the spill is then empty."""
+    def clear(self) -> None:
+        """Forget every row (a checkpoint wrote them all to LMDB); the file stays."""
+        self._init_slots(self.capacity)
         self._round, self._cursor = np.zeros(0, np.int64), 0
-        keys = np.sort(self.slot_keys[self.slot_keys >= 0].numpy())
-        for lo in range(0, len(keys), self.chunk_rows):
-            slots = self.index.lookup(torch.from_numpy(keys[lo:lo + self.chunk_rows]))
-            yield self._remove(slots)
 
     def close(self) -> None:
         """Release the map and delete the file (nothing in it is state)."""

@@ -22,6 +22,21 @@ def test_every_added_key_may_be_there_and_most_others_are_not():
     assert f.added == 150_000
 
 
+def test_the_bits_set_are_the_two_halves_of_the_index_hash():
+    """The compiled loops set exactly the bits the hash indexes' mix names: its low and
+    high halves, masked to the filter's size."""
+    import torch
+    from stream_ctr.store.key_index import _slot_hash
+    keys = np.random.default_rng(6).integers(0, 1 << 62, 5_000)
+    f = KeyFilter(16)
+    f.add(keys)
+    x = _slot_hash(torch.from_numpy(keys), -1).numpy()
+    expected = np.zeros_like(f.words)
+    for pos in (x & 0xFFFF, (x >> 32) & 0xFFFF):
+        np.bitwise_or.at(expected, pos >> 3, (1 << (pos & 7)).astype(np.uint8))
+    assert np.array_equal(f.words, expected)
+
+
 def test_the_size_follows_the_planned_rows_within_bounds():
     assert filter_bits_log2(10) == MIN_BITS_LOG2
     assert filter_bits_log2(3_000_000) == 25              # >= 8 bits a key
