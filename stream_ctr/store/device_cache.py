@@ -141,5 +141,5 @@ class DeviceCache:
         return torch.nonzero(self.slot_keys >= 0).view(-1)
 
     def add_counts(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
-        self.meta[slots, COUNT] += counts.to(torch.int64)
-        self.dirty[slots] = True
+        self.meta[:, COUNT].index_add_(0, slots, counts.to(torch.int64))
+        self.dirty.index_fill_(0, slots, True)
