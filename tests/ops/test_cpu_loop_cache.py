@@ -26,9 +26,21 @@ fm, x0 = deepfm_input._DeepFMInput.apply(emb, torch.zeros(3, 1))
 table = torch.full((8,), -1, dtype=torch.int64)
 probe_cpu.place(table, torch.zeros(8, dtype=torch.int64), keys[:2], keys[:2], torch.tensor([1, 2]))
 probe_cpu.find_positions(table, keys, keys % 8)
+from stream_ctr.store import key_filter, policies
+from stream_ctr.store.slot_index import SlotIndex
+index = SlotIndex(8)
+index.insert(keys[:2], keys[:2])
+index.lookup(keys)
+index.remove(keys[:1])
+policies.select_victims(torch.tensor([3, 1, 2, 1]), keys, 2)
+bloom = key_filter.KeyFilter(16)
+bloom.add(keys.numpy())
+bloom.maybe(keys.numpy())
 loops = {"unique": unique._kernels(), "cowclip_adam": (cowclip_adam._cpu_kernel(),),
          "cpu_rows": (cpu_rows._kernel(),), "deepfm_input": deepfm_input._kernels(),
-         "probe_cpu": (probe_cpu._kernel(), probe_cpu._place_kernel())}
+         "probe_cpu": (probe_cpu._kernel(), probe_cpu._place_kernel()),
+         "slot_index": probe_cpu._pair_kernels(), "victims": (policies._victims_kernel(),),
+         "key_filter": key_filter._kernels()}
 print(json.dumps({name: sum(sum(f.stats.cache_misses.values()) for f in fs) for name, fs in loops.items()}))
 """
 
