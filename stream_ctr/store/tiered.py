@@ -349,19 +349,31 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         cand = keys[cache_slots < 0].cpu()
         ram_slots = self.ram.index.lookup(cand)
         spill_slots = torch.full_like(ram_slots, -1)
-        parts, pos = [self.ram.copy(ram_slots[ram_slots >= 0])], [torch.nonzero(ram_slots >= 0).view(-1)]
         if self.spill is not None and len(self.spill):
             rest = torch.nonzero(ram_slots < 0).view(-1)
             spill_slots[rest] = self.spill.index.lookup(cand[rest])
-            parts.append(self.spill.copy(spill_slots[spill_slots >= 0]))
-            pos.append(torch.nonzero(spill_slots >= 0).view(-1))
-        host = Rows.cat(parts, self.layout, torch.device("cpu")).select(torch.argsort(torch.cat(pos)))
+        host = self._gather_host(cand, ram_slots, spill_slots)
         disk_keys = cand[(ram_slots < 0) & (spill_slots < 0)].numpy()
         t0 = time.perf_counter()
         found, rows = self._unwritten_over(disk_keys, *self.disk.get(disk_keys))
         self._staged = Staged(cand, ram_slots, spill_slots, host, disk_keys, found, rows, keys, cache_slots)
         self.counters.add(prefetched_rows=len(disk_keys), lmdb_read_rows=len(disk_keys),
                           lmdb_read_seconds=time.perf_counter() - t0)
+
+    def _gather_host(self, keys: torch.Tensor, ram_slots: torch.Tensor,
+                     spill_slots: torch.Tensor) -> Rows:
+        """Copies of the RAM and spill rows of sorted `keys` (slot per key, -1: not there),
+        in key order, each row copied once into its place."""
+        in_host = (ram_slots >= 0) | (spill_slots >= 0)
+        at = torch.cumsum(in_host, 0) - 1               # each found key's place in the output
+        packed = self.layout.empty(int(in_host.sum()))
+        dirty = torch.zeros(packed.shape[0], dtype=torch.bool)
+        for tier, slots in ((self.ram, ram_slots), (self.spill, spill_slots)):
+            pos = torch.nonzero(slots >= 0).view(-1)
+            if len(pos):
+                scatter_rows(packed, at[pos], gather_rows(tier.rows, slots[pos]))
+                dirty[at[pos]] = tier.dirty[slots[pos]]
+        return Rows(keys[in_host], packed, dirty)
 
     def _unwritten_over(self, keys: np.ndarray, found: np.ndarray,
                         rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
