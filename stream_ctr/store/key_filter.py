@@ -34,19 +34,20 @@ class KeyFilter:
     def add(self, keys: np.ndarray) -> None:
         if len(keys) == 0:
             return
-        _kernels()[0](self.words, np.ascontiguousarray(keys, dtype=np.int64), self.bits_log2)
+        _kernel()(self.words, np.ascontiguousarray(keys, dtype=np.int64), self.bits_log2,
+                  np.ones(0, dtype=bool), True)
         self.added += len(keys)
 
     def maybe(self, keys: np.ndarray) -> np.ndarray:
         """Per key: False when it was certainly never added."""
         out = np.ones(len(keys), dtype=bool)
         if len(keys):
-            _kernels()[1](self.words, np.ascontiguousarray(keys, dtype=np.int64), self.bits_log2, out)
+            _kernel()(self.words, np.ascontiguousarray(keys, dtype=np.int64), self.bits_log2, out, False)
         return out
 
 
 @cache
-def _kernels():
+def _kernel():
     # One compiled loop a call: the mix, both bits, set or tested in place. (In numpy the
     # adds had to sort each probe's positions to OR together the bits that share a byte:
     # 0.4 s of a 1M-row tiered run.) The mix is key_index._slot_hash with every bit kept;
@@ -54,7 +55,8 @@ def _kernels():
     from numba import njit
 
     @njit(nogil=True, cache=True)
-    def add(words, keys, bits_log2):
+    def bits(words, keys, bits_log2, out, set_bits):
+        """set_bits: set each key's two bits; else out[i] = False where one is clear."""
         mask = (1 << bits_log2) - 1
         for i in range(keys.shape[0]):
             x = keys[i] * -7046029254386353131
@@ -62,18 +64,9 @@ def _kernels():
             x = x * -4658895280553007687
             x = x ^ ((x >> 29) & ((1 << 35) - 1))
             for pos in (x & mask, (x >> 32) & mask):
-                words[pos >> 3] |= np.uint8(1 << (pos & 7))
-
-    @njit(nogil=True, cache=True)
-    def maybe(words, keys, bits_log2, out):
-        mask = (1 << bits_log2) - 1
-        for i in range(keys.shape[0]):
-            x = keys[i] * -7046029254386353131
-            x = x ^ ((x >> 31) & ((1 << 33) - 1))
-            x = x * -4658895280553007687
-            x = x ^ ((x >> 29) & ((1 << 35) - 1))
-            for pos in (x & mask, (x >> 32) & mask):
-                if (words[pos >> 3] >> (pos & 7)) & 1 == 0:
+                if set_bits:
+                    words[pos >> 3] |= np.uint8(1 << (pos & 7))
+                elif (words[pos >> 3] >> (pos & 7)) & 1 == 0:
                     out[i] = False
 
-    return add, maybe
+    return bits

@@ -108,7 +108,7 @@ def pair_lookup(table: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Value of each of `keys` in a pair table, -1 where absent."""
     out = torch.empty_like(keys)
     if keys.numel():
-        _pair_kernels()[0](table.numpy(), keys.contiguous().numpy(), out.numpy())
+        _pair_kernels()[0](table.numpy(), keys.contiguous().numpy(), out.numpy(), False)
     return out
 
 
@@ -125,7 +125,7 @@ def pair_remove(table: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, 
     out = torch.empty_like(keys)
     if not keys.numel():
         return out, 0
-    return out, int(_pair_kernels()[2](table.numpy(), keys.contiguous().numpy(), out.numpy()))
+    return out, int(_pair_kernels()[0](table.numpy(), keys.contiguous().numpy(), out.numpy(), True))
 
 
 @cache
@@ -133,25 +133,6 @@ def _pair_kernels():
     # Each loop is self-contained (the hash written out in each): a compiled function that
     # calls another one defined here is not found in numba's cache by a new process.
     from numba import njit
-
-    @njit(nogil=True, cache=True)
-    def lookup(table, keys, out):
-        mask = table.shape[0] - 1
-        for i in range(keys.shape[0]):
-            k = keys[i]
-            x = k * -7046029254386353131
-            x = x ^ ((x >> 31) & ((1 << 33) - 1))
-            x = x * -4658895280553007687
-            p = (x ^ ((x >> 29) & ((1 << 35) - 1))) & mask
-            out[i] = EMPTY
-            for _ in range(table.shape[0]):         # a full table cannot loop forever
-                s = table[p, 0]
-                if s == k:
-                    out[i] = table[p, 1]
-                    break
-                if s == EMPTY:
-                    break
-                p = (p + 1) & mask
 
     @njit(nogil=True, cache=True)
     def place(table, keys, vals):
@@ -171,7 +152,9 @@ def _pair_kernels():
             table[p, 1] = vals[i]
 
     @njit(nogil=True, cache=True)
-    def remove(table, keys, out):
+    def find(table, keys, out, remove):
+        """out[i]: the value of keys[i], -1 where absent; with `remove`, the entries found
+        are removed too. Returns how many were found."""
         # Backward-shift deletion: the entries after a removed one that would no longer
         # be found from their start slot move back into the gap, so the table never holds
         # tombstones and lookups stay as short as the live load makes them (a spill's
@@ -187,7 +170,7 @@ def _pair_kernels():
             p = (x ^ ((x >> 29) & ((1 << 35) - 1))) & mask
             out[i] = EMPTY
             found = False
-            for _ in range(table.shape[0]):
+            for _ in range(table.shape[0]):         # a full table cannot loop forever
                 s = table[p, 0]
                 if s == k:
                     found = True
@@ -199,6 +182,8 @@ def _pair_kernels():
                 continue
             out[i] = table[p, 1]
             n += 1
+            if not remove:
+                continue
             j = p
             while True:
                 j = (j + 1) & mask
@@ -219,4 +204,4 @@ def _pair_kernels():
             table[p, 1] = EMPTY
         return n
 
-    return lookup, place, remove
+    return find, place

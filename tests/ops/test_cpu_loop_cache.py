@@ -40,7 +40,7 @@ loops = {"unique": unique._kernels(), "cowclip_adam": (cowclip_adam._cpu_kernel(
          "cpu_rows": (cpu_rows._kernel(),), "deepfm_input": deepfm_input._kernels(),
          "probe_cpu": (probe_cpu._kernel(), probe_cpu._place_kernel()),
          "slot_index": probe_cpu._pair_kernels(), "victims": (policies._victims_kernel(),),
-         "key_filter": key_filter._kernels()}
+         "key_filter": (key_filter._kernel(),)}
 print(json.dumps({name: sum(sum(f.stats.cache_misses.values()) for f in fs) for name, fs in loops.items()}))
 """
 
