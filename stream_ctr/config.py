@@ -219,6 +219,11 @@ class StoreConfig:
     admission_min_count: int = 1    # a key gets a row once seen in this many batches; 1 = at once
     ttl_steps: int = 0              # delete rows unseen for more batches than this; 0 = never
     ttl_seconds: int = 0            # ... or whose event time is older than this; 0 = never
+    # Who frees the cache slots the next batch's misses take: the I/O thread while the step
+    # trains (on), or the next `prepare` (off). auto = on where the I/O thread has a core of
+    # its own: a GPU run (the host waits on the device), or torch on fewer threads than
+    # the usable cores. On 2 busy cores moving it only slowed the step (docs/tiers-and-sizing.md).
+    evict_ahead: str = "auto"       # auto | on | off
 
 
 @dataclass
@@ -549,6 +554,8 @@ def validate(cfg: Config) -> Config:
         (cfg.store.kind in ("memory", "tiered"),
          f"store.kind must be memory or tiered, got {cfg.store.kind!r}"),
         (cfg.store.policy in ("lru", "lfu"), f"store.policy must be lru or lfu, got {cfg.store.policy!r}"),
+        (cfg.store.evict_ahead in ("auto", "on", "off"),
+         f"store.evict_ahead must be auto, on or off, got {cfg.store.evict_ahead!r}"),
         (cfg.store.cache_bytes > 0, f"store.cache_bytes (--cache-bytes) must be > 0, got {cfg.store.cache_bytes}"),
         (cfg.store.ram_bytes >= 0, f"store.ram_bytes (--ram-bytes) must be >= 0, got {cfg.store.ram_bytes}"),
         (cfg.store.disk_bytes > 0, f"store.disk_bytes (--disk-bytes) must be > 0, got {cfg.store.disk_bytes}"),

@@ -22,7 +22,7 @@ Modules, one concern each:
     key_index     the vectorized uint64 key -> row hash map
     probe_cpu     the maps' lookups and inserts as compiled loops on the CPU
 
-May import config, connectors and ops (and torch, lmdb); never train,
+May import config, threads, connectors and ops (and torch, lmdb); never train,
 telemetry, models, distributed, bench or cli.
 """
 from __future__ import annotations

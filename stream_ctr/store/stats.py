@@ -27,6 +27,7 @@ class StoreStats:
     spill_hits: int = 0                 # keys prepare found in the spill (RAM missed)
     prefetch_wait_seconds: float = 0.0  # prepare blocked on the I/O thread
     prefetched_rows: int = 0
+    rows_evicted_ahead: int = 0         # of cache_to_ram: demoted on the I/O thread during a step
     lmdb_read_rows: int = 0
     lmdb_read_seconds: float = 0.0
     lmdb_written_rows: int = 0          # rows put or deleted, undo entries not counted

@@ -29,7 +29,11 @@ the last prefetch (measured: `prefetch_wait_seconds`); then it takes the
 staged rows out of RAM and the spill, chooses the cache's victims and hands
 them to the I/O thread, and touches RAM and the spill no more (without a TTL;
 with one, the rows go down at the end of `prepare`, after its TTL scan). So
-the two threads never touch RAM or the spill at once. The LMDB write of what
+the two threads never touch RAM or the spill at once. With store.evict_ahead
+the prefetch first frees the cache slots the next batch's misses will take
+(`_evict_ahead`): its victims are rows of neither the step in flight nor the
+next batch, which no other thread reads or writes until `prepare` waits for
+that job, and `prepare` is left only what that could not free. The LMDB write of what
 the spill drained waits in `_unwritten` until the next `prepare` starts it;
 a prefetch reads those rows from there, and every direct LMDB read, sweep,
 checkpoint and `close` writes them first (`settle`). Outside `prepare`, only
@@ -37,6 +41,7 @@ the read-only views and a checkpoint (which settle first) touch the tiers.
 """
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -63,8 +68,20 @@ from stream_ctr.store.policies import AdmissionSketch, expired
 from stream_ctr.store.spill_tier import SpillTier
 from stream_ctr.store.stats import StoreStats
 from stream_ctr.store.views import TieredReads
+from stream_ctr.threads import usable_cores
 
 SWEEP_MIN_ROWS = 65536
+
+
+def resolve_evict_ahead(setting: str, device: torch.device) -> bool:
+    """store.evict_ahead: `auto` is on where the I/O thread has a core of its own, so that
+    taking the eviction off `prepare` does not slow the step: a GPU run (its host thread
+    mostly waits on the device), or torch computing on fewer threads than this process's
+    share of the cores (the job's processes on this host, as torchrun counts them)."""
+    if setting != "auto":
+        return setting == "on"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return device.type == "cuda" or torch.get_num_threads() < usable_cores(max(1, local))
 
 
 @dataclass
@@ -112,6 +129,10 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         # write then runs beside `prepare`, not beside the step's forward and backward.
         self._unwritten: list[WriteBatch] = []
         self._prefetched: Future | None = None   # the last prefetch job not waited for
+        # The slots the last `prepare` returned: the step in flight reads and updates
+        # them, so an eviction ahead (`_evict_ahead`) never takes one.
+        self._busy: torch.Tensor | None = None
+        self.evict_ahead = resolve_evict_ahead(store.evict_ahead, self.device)
         self._started = False
         self._sweep_from = 0
         self._disk_rows = self.disk.entries() if self.disk else 0
@@ -240,6 +261,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
 
         expired_rows = self._expire_resident(protect=slots)
         self._write_behind(demoted, expired_rows + [rejected_stale])
+        self._busy = slots
         return slots
 
     def prefetch(self, keys: torch.Tensor) -> None:
@@ -247,7 +269,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         cache: copies from RAM and the spill, reads from LMDB (see `Staged`)."""
         refuse_negative_keys(keys)
         if not self.read_only:
-            self._prefetched = self.io.submit(self._prefetch_job, keys)
+            self._prefetched = self.io.submit(self._prefetch_job, keys, self._busy)
 
     def update(self, slots: torch.Tensor, grad: torch.Tensor, counts: torch.Tensor,
                step: int, optim: OptimConfig) -> ClipStats:
@@ -342,11 +364,15 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
                               lmdb_read_seconds=time.perf_counter() - t0)
         return found, rows if found.all() else rows[np.nonzero(found)[0]]
 
-    def _prefetch_job(self, keys: torch.Tensor) -> None:
-        """Runs after this step's demotions (same thread, in order): sees RAM and the spill
-        as the next `prepare` will. The cache's membership does not change before then."""
+    def _prefetch_job(self, keys: torch.Tensor, busy: torch.Tensor | None) -> None:
+        """Runs after this step's demotions (same thread, in order): makes the next batch's
+        room in the cache (`_evict_ahead`), then sees RAM and the spill as the next
+        `prepare` will. Nothing else changes the cache's membership before then."""
         cache_slots = self.cache.lookup(keys)
-        cand = keys[cache_slots < 0].cpu()
+        miss = cache_slots < 0
+        if self.evict_ahead and not self._ttl:
+            self._evict_ahead(int(miss.sum()), cache_slots[~miss], busy)
+        cand = keys[miss].cpu()
         ram_slots = self.ram.index.lookup(cand)
         spill_slots = torch.full_like(ram_slots, -1)
         if self.spill is not None and len(self.spill):
@@ -359,6 +385,25 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self._staged = Staged(cand, ram_slots, spill_slots, host, disk_keys, found, rows, keys, cache_slots)
         self.counters.add(prefetched_rows=len(disk_keys), lmdb_read_rows=len(disk_keys),
                           lmdb_read_seconds=time.perf_counter() - t0)
+
+    def _evict_ahead(self, n_miss: int, hits: torch.Tensor, busy: torch.Tensor | None) -> None:
+        """On the I/O thread while the step trains: free the cache slots the next batch's
+        `n_miss` misses will take, and move the victims down (`_demote_job`), so that
+        `prepare` finds the room made. Never a row of the step in flight (`busy`: its
+        forward reads it and its update writes it) nor one of the next batch's `hits`:
+        a victim is a row no thread touches until the next `prepare`, which waits for
+        this job. A cache too small to spare enough such rows frees what it can, and
+        `prepare` evicts the rest. Without a TTL only: with one, `prepare` first decides
+        which of the next batch's rows are expired, which changes its misses."""
+        # (transient slots come free at the start of the next `prepare`)
+        short = n_miss - (self.cache.capacity - len(self.cache.index))
+        if short <= 0:
+            return
+        protect = hits if busy is None else torch.cat([hits, busy.to(hits.device)])
+        demoted = self.cache.evict(short, protect, self.cfg.policy).to(torch.device("cpu"))
+        self.counters.evicted("cache_to_ram", len(demoted))
+        self.counters.add(rows_evicted_ahead=len(demoted))
+        self._demote_job(demoted, Rows.cat([], self.layout, torch.device("cpu")))
 
     def _gather_host(self, keys: torch.Tensor, ram_slots: torch.Tensor,
                      spill_slots: torch.Tensor) -> Rows:
@@ -649,6 +694,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
                 self.spill.close()
                 self.spill = self._new_spill()
         self.clock, self.newest_event_ms = int(state["clock"]), int(state["newest_event_ms"])
+        self._busy = None
         self.sketch.load_state_dict(state["sketch"])
         self._sweep_from = int(state.get("sweep_from", 0))     # older checkpoints lack it
         self._started = True

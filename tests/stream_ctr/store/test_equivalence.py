@@ -19,13 +19,14 @@ def run_steps(cfg, batches, lookahead):
     return trainer, torch.cat(probs)
 
 
-@pytest.mark.parametrize("spill_rows", [1500, 0])
-def test_tiny_tiers_train_bit_identical_to_one_table(tmp_path, spill_rows):
+@pytest.mark.parametrize("spill_rows,evict_ahead", [(1500, "on"), (0, "on"), (1500, "off")])
+def test_tiny_tiers_train_bit_identical_to_one_table(tmp_path, spill_rows, evict_ahead):
     batches = criteo_batches(60, tmp=tmp_path)
     mem, mem_probs = run_steps(small_config(tmp_path / "mem", tiered=False), batches, False)
     # Device cache of 2 worst-case working sets, 3000 rows of RAM, a spill of 1500 rows
-    # (or none), the rest in LMDB.
-    cfg = small_config(tmp_path / "tier", tiered=True, spill_bytes=spill_rows * LAYOUT.row_bytes)
+    # (or none), the rest in LMDB; the cache's room made on the I/O thread or in prepare.
+    cfg = small_config(tmp_path / "tier", tiered=True, spill_bytes=spill_rows * LAYOUT.row_bytes,
+                       evict_ahead=evict_ahead)
     tier, tier_probs = run_steps(cfg, batches, True)
     store = tier.store
     stats = store.stats()
@@ -33,6 +34,8 @@ def test_tiny_tiers_train_bit_identical_to_one_table(tmp_path, spill_rows):
     assert stats["evictions"]["ram_to_disk"] > 5000 and stats["rows_written_back"] > 5000
     assert stats["lookups"]["disk"]["hit"] > 1000 and stats["lookups"]["ram"]["hit"] > 500
     assert stats["prefetched_rows"] > 0
+    # On: the cache's room was made on the I/O thread, during the step before.
+    assert (stats["rows_evicted_ahead"] > 0) == (evict_ahead == "on")
     if spill_rows:          # and through the spill, both ways
         assert stats["rows_spilled"] > 5000 and stats["spill_hits"] > 100
         assert 0 < stats["rows"]["spill"] <= spill_rows

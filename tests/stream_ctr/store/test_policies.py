@@ -4,7 +4,7 @@ import torch
 from stream_ctr.store.embedding import init_rows
 from stream_ctr.store.layout import LAST_STEP, META_FIELDS, WRITE_GEN
 from stream_ctr.store.policies import AdmissionSketch, priority, select_victims, victim_order
-from tests.stream_ctr.store.helpers import step, tiny_store, where
+from tests.stream_ctr.store.helpers import OPTIM, step, tiny_store, where
 
 
 def test_select_victims_breaks_ties_by_key_and_skips_protected():
@@ -108,8 +108,7 @@ def test_admission_after_n_sightings_trains_unadmitted_keys_on_their_initial_row
     assert s.stats()["admissions_rejected"] == 2 and s.stats()["rows_created"] == 0
     slots = s.prepare(torch.tensor([42]))         # 3rd sighting: admitted, starts from init
     assert torch.equal(s.weight[slots], init) and len(s) == 1
-    s.update(slots, torch.full((1, s.dim + 1), 0.01), torch.tensor([1]), 3, __import__(
-        "tests.stream_ctr.store.helpers", fromlist=["OPTIM"]).OPTIM)
+    s.update(slots, torch.full((1, s.dim + 1), 0.01), torch.tensor([1]), 3, OPTIM)
     assert not torch.equal(s.peek(torch.tensor([42])), init)
     s.close()
 
@@ -194,3 +193,46 @@ def test_a_prefetch_reads_demoted_rows_before_their_lmdb_write(tmp_path):
         assert where(s, k) == "cache"
     s.close()
     ref.close()
+
+
+def test_the_next_batchs_room_is_made_during_the_step_from_rows_of_neither_batch(tmp_path):
+    # The trainer's order: prepare(N), prefetch(N+1), then N's forward and update while the
+    # I/O thread frees the cache slots N+1's misses will take. It never takes a row of N
+    # (in flight) or of N+1; what it cannot free, the next prepare does. Where a row lives
+    # changes no number: the rows match a store that never demotes.
+    s = tiny_store(tmp_path, cache_rows=4, ram_rows=8, evict_ahead="on")
+    ref = tiny_store(tmp_path / "ref", cache_rows=16, ram_rows=0)
+    for store in (s, ref):
+        step(store, [1, 2])
+        step(store, [3, 4])                         # s's cache is full: 1, 2, 3, 4
+        slots = store.prepare(torch.tensor([3, 4]))
+        store.prefetch(torch.tensor([3, 5, 6, 7]))  # 3 misses; 1 and 2 the only candidates
+        store.update(slots, torch.full((2, store.dim + 1), 0.01), torch.ones(2, dtype=torch.int64),
+                     store.clock, OPTIM)
+        if store is s:
+            store.settle()
+            assert s.stats()["rows_evicted_ahead"] == 2
+            assert [where(s, k) for k in (1, 2, 3, 4)] == ["ram", "ram", "cache", "cache"]
+        step(store, [3, 5, 6, 7])                   # prepare evicts the third: 4
+    assert where(s, 4) == "ram" and s.stats()["evictions"]["cache_to_ram"] == 3
+    keys = torch.arange(1, 8)
+    assert torch.equal(s.peek(keys), ref.peek(keys))
+    s.close()
+    ref.close()
+
+
+def test_evict_ahead_auto_is_on_where_the_io_thread_has_a_core(monkeypatch):
+    from stream_ctr.store import tiered
+    monkeypatch.setattr(tiered, "usable_cores", lambda processes=1: 4 // processes)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert not tiered.resolve_evict_ahead("auto", cpu)      # torch computes on every core
+    assert tiered.resolve_evict_ahead("auto", cuda)         # the host waits on the GPU
+    assert tiered.resolve_evict_ahead("on", cpu) and not tiered.resolve_evict_ahead("off", cuda)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert tiered.resolve_evict_ahead("auto", cpu)          # a core is left for the I/O thread
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")             # 2 cores each for 2 processes
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert not tiered.resolve_evict_ahead("auto", cpu)
