@@ -28,7 +28,7 @@ from stream_ctr.store.embedding import EmbeddingStore
 from stream_ctr.store import build_store
 from stream_ctr.models.networks import build_model
 from stream_ctr.models.field_inputs import FieldRows, model_fields
-from stream_ctr.models.scoring import logits, probabilities, resolve_precision, working_set
+from stream_ctr.models.scoring import host_to_device, logits, probabilities, resolve_precision, working_set
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,7 +106,8 @@ class Trainer:
         # The configured store ([store] kind: memory, or tiered cache/RAM/LMDB);
         # read_only for evaluation, which must not move or roll back any row.
         self.store = store or build_store(cfg, keys_per_record or n_fields, self.device, read_only=read_only)
-        self._next: tuple[Batch, tuple[torch.Tensor, ...]] | None = None
+        # The next batch, its working set and its inputs, on the device while this one trains.
+        self._next: tuple[Batch, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
         # The settings this batch size trains with (scaling rule applied); every
         # update reads these, never cfg.optim.
         self.optim = o = resolve_optim(cfg)
@@ -227,19 +228,20 @@ class Trainer:
         if torch.isfinite(shift):           # non-finite first scores: keep the bias at 0
             self.model.linear.bias.add_(shift)
 
-    def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        dense = torch.from_numpy(batch.dense).to(self.device, non_blocking=True)
-        labels = torch.from_numpy(batch.labels).to(self.device, non_blocking=True)
-        return dense, labels
+    def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Dense features, labels and record weights (None: unweighted) on the device."""
+        if self._next is not None and self._next[0] is batch:
+            return self._next[2]
+        weight = None if batch.weight is None else host_to_device(batch.weight, self.device)
+        return host_to_device(batch.dense, self.device), host_to_device(batch.labels, self.device), weight
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """The batch's log loss: the mean, or with record weights the weighted mean
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        """The batch's log loss: the mean, or with record weights `w` the weighted mean
         sum(w * l) / sum(w).  Dividing by the weights' sum (not by B, as Keras does)
         keeps the step size independent of the weights' scale, so the tuned learning
         rates hold whether a negative weighs 1 or 1/rate."""
-        if batch.weight is None:
+        if w is None:
             return F.binary_cross_entropy_with_logits(logits, labels)
-        w = torch.from_numpy(batch.weight).to(self.device, non_blocking=True)
         per_row = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
         return (per_row * w).sum() / w.sum().clamp_min(torch.finfo(w.dtype).tiny)
 
@@ -292,7 +294,7 @@ class Trainer:
         """One optimizer step on `batch`, with the settings of the step it is (`_step_optim`)."""
         t0 = time.perf_counter()
         b = len(batch)
-        dense, labels = self._inputs(batch)
+        dense, labels, weight = self._inputs(batch)
 
         # Working set: the store makes every unique sign resident before the step
         # starts, and may fetch the next batch's while this one trains.
@@ -302,18 +304,17 @@ class Trainer:
         slots = self.store.prepare(uniq)
         self._next = None
         if upcoming is not None and len(upcoming):
-            self._next = (upcoming, self._working_set(upcoming))
+            self._next = (upcoming, self._working_set(upcoming), self._inputs(upcoming))
             self.store.prefetch(self._next[1][0])
         rows = self.store.weight[slots].requires_grad_()
         if self.step == 0 and self.optim.init_bias_from_data and b:
             with torch.no_grad():          # the forward and the in-place bias update
-                weight = None if batch.weight is None else torch.from_numpy(batch.weight).to(self.device)
                 self._init_bias(self._forward(rows, inverse, batch, dense), labels, weight)
         t1 = self._clock()
 
         # Forward on the pre-update weights (these are the prequential scores), backward.
         logits = self._forward(rows, inverse, batch, dense)
-        loss = self._loss(logits, labels, batch)
+        loss = self._loss(logits, labels, weight)
         o = self._step_optim(self.step + 1)
         reg = sum((p.square().sum() for p in self.l2_params.get("linear", [])), torch.zeros((), device=self.device)) * o.l2 \
             + sum((p.square().sum() for p in self.l2_params.get("cross", [])), torch.zeros((), device=self.device)) * o.cross_l2

@@ -85,12 +85,14 @@ def test_the_loss_is_the_weighted_mean_and_does_not_depend_on_the_weights_scale(
     labels = torch.from_numpy(batch.labels)
     w = torch.from_numpy(batch.weight)
     expected = (w * F.binary_cross_entropy_with_logits(logits, labels, reduction="none")).sum() / w.sum()
-    assert torch.allclose(trainer._loss(logits, labels, batch), expected)
+    assert torch.allclose(trainer._loss(logits, labels, trainer._inputs(batch)[2]), expected)
     scaled = Batch(**{**batch.__dict__, "weight": batch.weight * 8})
-    assert torch.allclose(trainer._loss(logits, labels, scaled), expected)
+    assert torch.allclose(trainer._loss(logits, labels, trainer._inputs(scaled)[2]), expected)
     unweighted = Batch(**{**batch.__dict__, "weight": None})
     ones = Batch(**{**batch.__dict__, "weight": np.ones(n, np.float32)})
-    assert torch.allclose(trainer._loss(logits, labels, ones), trainer._loss(logits, labels, unweighted))
+    assert trainer._inputs(unweighted)[2] is None
+    assert torch.allclose(trainer._loss(logits, labels, trainer._inputs(ones)[2]),
+                          trainer._loss(logits, labels, None))
 
 
 def _write_log(path, n: int, rng, keep_negative: float | None):
