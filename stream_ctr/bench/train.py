@@ -11,7 +11,11 @@ With `stores=("memory", "tiered")` each batch size runs once per store and
 repeat, alternating (memory, tiered, memory, tiered, ...), each in its own
 process; a tiered row carries its ratio to the memory row just before it (the
 same minute on a shared machine) and the store's counters: hit rates per tier,
-how long `prepare` blocked on the I/O thread, LMDB reads and writes.
+how long `prepare` blocked on the I/O thread, LMDB reads and writes, and how
+many of the cache's evictions were made during the step before. Steps run as
+`train` runs them: a tiered store is told the next batch, so its I/O thread
+stages that batch's rows during the step. `evict_ahead` modes of the tiered
+store (`--evict-ahead on,off`) are alternated like stores.
 
 Beside them, in the same process and minute, a bare torch MLP of the model's
 deep part (input F*d + n_dense, the configured hidden layers, one output):
@@ -31,6 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 
@@ -50,6 +55,13 @@ class StoreChoice:
     cache_bytes: int | None = None
     ram_bytes: int | None = None
     spill_bytes: int | None = None
+    evict_ahead: str = "auto"       # store.evict_ahead of a tiered store
+
+    @property
+    def label(self) -> str:
+        if self.kind != "tiered" or self.evict_ahead == "auto":
+            return self.kind
+        return f"tiered, evict_ahead {self.evict_ahead}"
 
 
 def _bench_config(model: str, batch_size: int, threads: int, precision: str = "auto",
@@ -63,6 +75,7 @@ def _bench_config(model: str, batch_size: int, threads: int, precision: str = "a
         cfg.store.ram_bytes = store.ram_bytes
     if store.spill_bytes is not None:
         cfg.store.spill_bytes = store.spill_bytes
+    cfg.store.evict_ahead = store.evict_ahead
     cfg.train.precision = precision
     cfg.train.compile = compile_model
     cfg.data.read_ahead_chunks = read_ahead_chunks
@@ -123,6 +136,17 @@ def _warm_up(trainer, batch: Batch, new_trainer) -> None:
         torch.cuda.synchronize(trainer.device)
 
 
+def steps_as_trained(trainer, batches: Iterable[Batch]) -> Iterator:
+    """Train `batches` as `stream-ctr train` does: a tiered store is told the next batch
+    (the loop's look-ahead) so its I/O thread stages that batch's rows during the step;
+    yields each step's result."""
+    from stream_ctr.train.batches import LookAhead
+    from stream_ctr.train.inputs import ready_events
+    look = LookAhead() if trainer.cfg.store.kind == "tiered" else None
+    for event in ready_events(iter(batches), look):
+        yield trainer.train_step(event.batch, event.upcoming)
+
+
 def profile_steps(trainer, batches: list[Batch]) -> str:
     """torch.profiler's table of the ops of `batches`' steps, the 15 heaviest by their own
     time (on the GPU for CUDA, else on the CPU): where a step's time goes, by op."""
@@ -130,8 +154,8 @@ def profile_steps(trainer, batches: list[Batch]) -> str:
     cuda = trainer.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        for batch in batches:
-            trainer.train_step(batch)
+        for _ in steps_as_trained(trainer, batches):
+            pass
         if cuda:
             torch.cuda.synchronize(trainer.device)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -151,7 +175,8 @@ def _store_counters(trainer) -> dict | None:
             "lmdb_read_rows": c["lmdb_read_rows"], "lmdb_read_s": c["lmdb_read_seconds"],
             "lmdb_written_rows": c["lmdb_written_rows"], "lmdb_write_s": c["lmdb_write_seconds"],
             "rows_written_back": c["rows_written_back"], "rows_spilled": c["rows_spilled"],
-            "spill_hits": c["spill_hits"]}
+            "spill_hits": c["spill_hits"], "rows_evicted_ahead": c["rows_evicted_ahead"],
+            "cache_evictions": c["evictions"]["cache_to_ram"]}
 
 
 def _worker(source: str, schema: str, model: str, batch_size: int, threads: int, precision: str,
@@ -181,8 +206,7 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
     warm = batches[0]
     _warm_up(trainer, warm, new_trainer)
     t0 = time.perf_counter()
-    for batch in batches:
-        result = trainer.train_step(batch)
+    for result in steps_as_trained(trainer, batches):
         for k, v in result.phase_s.items():
             phases[k] += v
     if trainer.device.type == "cuda":
@@ -210,10 +234,12 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
     threads_decoding = decode_threads(cfg.data.decode_threads)
     if cfg.data.read_ahead_chunks:         # decoded on threads while the steps run, as in train
         src = ReadAhead(src, cfg.data.read_ahead_chunks, threads_decoding)
-    with src:
+    def read() -> Iterator[Batch]:
         while not src.exhausted:
-            for batch in batcher.add(src.read()[0]):
-                trainer.train_step(batch)
+            yield from batcher.add(src.read()[0])
+    with src:
+        for _ in steps_as_trained(trainer, read()):
+            pass
     if trainer.device.type == "cuda":
         torch.cuda.synchronize()
     total_s = time.perf_counter() - t0
@@ -235,7 +261,7 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
                "fwd_bwd_pct": 100 * phases["forward_backward"] / train_s,
                "update_pct": 100 * phases["update"] / train_s,
                "peak_rss_mb": peak_rss_mb, "profile": profile_text,
-               "store": store.kind, "store_counters": store_counters})
+               "store": store.label, "store_counters": store_counters})
     trainer.store.close()
     root.cleanup()
 
@@ -293,7 +319,7 @@ def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
             row["vs_peer_incl_decode"] = row["samples_per_s_incl_decode"] / other["samples_per_s"]
         if show_progress:
             extra = (f"; {row['peer']} {row['peer_samples_per_s']:,.0f}" if peer else "")
-            print(f"bench train: batch {bs:,}, {store.kind} store: {row['samples_per_s_excl_decode']:,.0f} "
+            print(f"bench train: batch {bs:,}, {store.label} store: {row['samples_per_s_excl_decode']:,.0f} "
                   f"samples/s (excl. decode){extra}", flush=True, file=sys.stderr)
         return row
 

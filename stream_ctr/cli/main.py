@@ -258,6 +258,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="the tiered store's RAM tier budget (default: store.ram_bytes)")
     b.add_argument("--spill-bytes", type=_byte_size, metavar="SIZE",
                    help="the tiered store's disk spill, 0 = none (default: store.spill_bytes)")
+    b.add_argument("--evict-ahead", default="auto", metavar="MODES",
+                   help="store.evict_ahead of the tiered runs: auto, on, off, or a list such as "
+                        "on,off (one tiered run per mode, alternated) (default: auto)")
     _add_common(b)
     b.set_defaults(func=cmd_bench_train)
     from stream_ctr.cli.kafka import add_bench_ingest_parser
@@ -505,7 +508,12 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     kinds = [k.strip() for k in args.store.split(",") if k.strip()]
     if not kinds or any(k not in ("memory", "tiered") for k in kinds):
         raise ConfigError(f"bench train: --store takes memory, tiered or memory,tiered, got {args.store!r}")
-    stores = tuple(StoreChoice(k, args.cache_bytes, args.ram_bytes, args.spill_bytes) for k in kinds)
+    modes = [m.strip() for m in args.evict_ahead.split(",") if m.strip()]
+    if not modes or any(m not in ("auto", "on", "off") for m in modes):
+        raise ConfigError(f"bench train: --evict-ahead takes auto, on, off or a list of them "
+                          f"(e.g. on,off), got {args.evict_ahead!r}")
+    stores = tuple(StoreChoice(k, args.cache_bytes, args.ram_bytes, args.spill_bytes, m)
+                   for k in kinds for m in (modes if k == "tiered" else ["auto"]))
     rows = bench_train(args.records, [int(x) for x in args.batch_sizes.split(",")],
                        args.model, args.data, args.threads, show_progress=not args.quiet,
                        precision=args.precision, read_ahead=args.read_ahead,
@@ -518,11 +526,13 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
             c = row.get("store_counters")
             if c:
                 hits = ", ".join(f"{t} {100 * r:.1f}%" for t, r in c["hit_rate"].items())
-                print(f"batch {row['batch_size']:,}, tiered store (decode-excluded pass): hits {hits}; "
+                print(f"batch {row['batch_size']:,}, {row['store']} store (decode-excluded pass): hits {hits}; "
                       f"prepare waited {c['prefetch_wait_s']:.2f} s on the I/O thread; LMDB read "
                       f"{c['lmdb_read_rows']:,} rows in {c['lmdb_read_s']:.2f} s, wrote "
                       f"{c['lmdb_written_rows']:,} in {c['lmdb_write_s']:.2f} s; spilled "
-                      f"{c['rows_spilled']:,} rows, {c['spill_hits']:,} read back from the spill")
+                      f"{c['rows_spilled']:,} rows, {c['spill_hits']:,} read back from the spill; "
+                      f"{c['rows_evicted_ahead']:,} of {c['cache_evictions']:,} cache evictions "
+                      f"made during the step before")
         for row in rows:
             if row.get("profile"):
                 print(row["profile"])

@@ -75,3 +75,21 @@ def test_bench_train_alternates_the_memory_and_the_tiered_store_and_reports_the_
     assert main(["bench", "train", "--records", "3000", "--store", "disk", "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--store" in err[0]
+
+
+def test_bench_train_steps_a_tiered_store_with_look_ahead_and_compares_evict_ahead_modes(capsys):
+    # As `train` runs it: each step names the next batch, so the store prefetches its rows
+    # and (evict_ahead on) frees their cache slots during the step before.
+    assert main(["bench", "train", "--records", "6000", "--batch-sizes", "256", "--threads", "1",
+                 "--store", "tiered", "--evict-ahead", "on,off", "--cache-bytes", "3MiB",
+                 "--ram-bytes", "1MiB", "--json", "--quiet"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [r["store"] for r in rows] == ["tiered, evict_ahead on", "tiered, evict_ahead off"]
+    on, off = (r["store_counters"] for r in rows)
+    assert on["lmdb_read_rows"] > 0 and off["lmdb_read_rows"] > 0
+    assert 0 < on["rows_evicted_ahead"] <= on["cache_evictions"] and off["rows_evicted_ahead"] == 0
+    assert off["cache_evictions"] > 0
+    assert rows[1]["vs_first_store_excl_decode"] > 0
+    assert main(["bench", "train", "--records", "3000", "--store", "tiered", "--evict-ahead", "soon",
+                 "--quiet"]) == 2
+    assert "--evict-ahead" in capsys.readouterr().err
