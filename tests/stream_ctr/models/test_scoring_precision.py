@@ -85,3 +85,22 @@ def test_a_compiled_dense_model_trains_as_the_eager_one(tmp_path):
                                    rtol=1e-4, atol=1e-5)
     assert compiled.state_tensors()["model"].keys() == eager.state_tensors()["model"].keys()
     np.testing.assert_allclose(compiled.predict(batches[0]), eager.predict(batches[0]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_host_arrays_reach_the_device_unchanged(device):
+    # On a GPU the copy goes through pinned memory and returns before it has run: the host
+    # array may be reused at once (a decoder's buffer) without changing the copy. On the
+    # CPU the tensor is the array's memory: nothing is copied.
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from stream_ctr.models.scoring import host_to_device
+    src = np.arange(1 << 20, dtype=np.int64).reshape(-1, 16)
+    expected = torch.from_numpy(src.copy())
+    out = host_to_device(src, torch.device(device))
+    assert out.device.type == device and torch.equal(out.cpu(), expected)
+    src[:] = -1
+    if device == "cuda":
+        assert torch.equal(out.cpu(), expected)
+    else:
+        assert out.data_ptr() == src.ctypes.data

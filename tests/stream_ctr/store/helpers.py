@@ -80,9 +80,9 @@ OPTIM = OptimConfig()
 
 
 def tiny_store(tmp: Path, cache_rows: int, ram_rows: int, disk_rows: int = 10_000, keep: int = 3,
-               spill_rows: int = 0, **store):
+               spill_rows: int = 0, device: str = "cpu", **store):
     """A TieredEmbeddingStore with exact row capacities, for scripted traces (no spill
-    unless asked: RAM's dirty rows then go straight to LMDB)."""
+    unless asked: RAM's dirty rows then go straight to LMDB); its cache on `device`."""
     import dataclasses
 
     from stream_ctr.config import ModelConfig, StoreConfig
@@ -95,17 +95,18 @@ def tiny_store(tmp: Path, cache_rows: int, ram_rows: int, disk_rows: int = 10_00
     plan = make_plan(cfg, model, batch_size=1, n_fields=1, store_dir=str(tmp / "store"))
     plan = dataclasses.replace(plan, cache_rows=cache_rows, ram_rows=ram_rows, disk_rows=disk_rows,
                                spill_rows=spill_rows)
-    return TieredEmbeddingStore(plan, cfg, model, seed=7, device="cpu", keep_checkpoints=keep)
+    return TieredEmbeddingStore(plan, cfg, model, seed=7, device=device, keep_checkpoints=keep)
 
 
 def step(store, keys: list[int], counts: list[int] | None = None, update: bool = True) -> torch.Tensor:
     """prepare + (optionally) a CowClip/Adam update with a small constant gradient."""
-    k = torch.tensor(sorted(keys), dtype=torch.int64)
+    k = torch.tensor(sorted(keys), dtype=torch.int64, device=store.device)
     slots = store.prepare(k)
     if update:
         c = torch.tensor(counts if counts is not None else [1] * len(keys), dtype=torch.int64)
-        c = c[torch.argsort(torch.tensor(keys))]
-        store.update(slots, torch.full((len(keys), store.dim + 1), 0.01), c, store.clock, OPTIM)
+        c = c[torch.argsort(torch.tensor(keys))].to(store.device)
+        store.update(slots, torch.full((len(keys), store.dim + 1), 0.01, device=store.device), c,
+                     store.clock, OPTIM)
     return slots
 
 
@@ -113,7 +114,7 @@ def where(store, key: int) -> str:
     """Tier holding `key` (after the I/O thread caught up): cache, ram, spill, disk or none."""
     store.settle()
     k = torch.tensor([key])
-    if store.cache.lookup(k).item() >= 0:
+    if store.cache.lookup(k.to(store.device)).item() >= 0:
         return "cache"
     if store.ram.index.lookup(k).item() >= 0:
         return "ram"

@@ -1,4 +1,5 @@
 """Demotion order (LRU, LFU), write-back of dirty rows, admission and TTL on scripted traces."""
+import pytest
 import torch
 
 from stream_ctr.store.embedding import init_rows
@@ -195,27 +196,30 @@ def test_a_prefetch_reads_demoted_rows_before_their_lmdb_write(tmp_path):
     ref.close()
 
 
-def test_the_next_batchs_room_is_made_during_the_step_from_rows_of_neither_batch(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_next_batchs_room_is_made_during_the_step_from_rows_of_neither_batch(tmp_path, device):
     # The trainer's order: prepare(N), prefetch(N+1), then N's forward and update while the
     # I/O thread frees the cache slots N+1's misses will take. It never takes a row of N
     # (in flight) or of N+1; what it cannot free, the next prepare does. Where a row lives
-    # changes no number: the rows match a store that never demotes.
-    s = tiny_store(tmp_path, cache_rows=4, ram_rows=8, evict_ahead="on")
-    ref = tiny_store(tmp_path / "ref", cache_rows=16, ram_rows=0)
+    # changes no number: the rows match a store that never demotes (on the same device).
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    s = tiny_store(tmp_path, cache_rows=4, ram_rows=8, device=device, evict_ahead="on")
+    ref = tiny_store(tmp_path / "ref", cache_rows=16, ram_rows=0, device=device)
     for store in (s, ref):
         step(store, [1, 2])
         step(store, [3, 4])                         # s's cache is full: 1, 2, 3, 4
-        slots = store.prepare(torch.tensor([3, 4]))
-        store.prefetch(torch.tensor([3, 5, 6, 7]))  # 3 misses; 1 and 2 the only candidates
-        store.update(slots, torch.full((2, store.dim + 1), 0.01), torch.ones(2, dtype=torch.int64),
-                     store.clock, OPTIM)
+        slots = store.prepare(torch.tensor([3, 4], device=device))
+        store.prefetch(torch.tensor([3, 5, 6, 7], device=device))  # 3 misses; 1, 2 the only candidates
+        store.update(slots, torch.full((2, store.dim + 1), 0.01, device=device),
+                     torch.ones(2, dtype=torch.int64, device=device), store.clock, OPTIM)
         if store is s:
             store.settle()
             assert s.stats()["rows_evicted_ahead"] == 2
             assert [where(s, k) for k in (1, 2, 3, 4)] == ["ram", "ram", "cache", "cache"]
         step(store, [3, 5, 6, 7])                   # prepare evicts the third: 4
     assert where(s, 4) == "ram" and s.stats()["evictions"]["cache_to_ram"] == 3
-    keys = torch.arange(1, 8)
+    keys = torch.arange(1, 8, device=device)
     assert torch.equal(s.peek(keys), ref.peek(keys))
     s.close()
     ref.close()
