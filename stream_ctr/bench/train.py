@@ -30,6 +30,7 @@ after the pass moved the ratio by up to 20%.
 from __future__ import annotations
 
 import multiprocessing as mp
+from queue import Empty
 import resource
 import tempfile
 import time
@@ -159,9 +160,16 @@ def profile_steps(trainer, batches: list[Batch]) -> str:
         if cuda:
             torch.cuda.synchronize(trainer.device)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    return (f"profile of {len(batches)} steps at batch {len(batches[0]):,} on {trainer.device} "
+    text = (f"profile of {len(batches)} steps at batch {len(batches[0]):,} on {trainer.device} "
             f"(sorted by {key}):\n"
             + prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=55))
+    parts = sorted((e for e in prof.key_averages() if e.key.startswith("store.")),
+                   key=lambda e: -e.cpu_time_total)
+    if parts:       # a tiered store: where its host time goes (store.io.*: the I/O thread's)
+        text += ("\nthe tiered store's parts, host time with what they call (store.io.*: on the "
+                 "I/O thread, beside the step):\n" + "\n".join(
+                     f"  {e.key:<26} {e.count:>6} calls {e.cpu_time_total / 1e3:>10.1f} ms" for e in parts))
+    return text
 
 
 def _store_counters(trainer) -> dict | None:
@@ -267,13 +275,36 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
 
 
 def _in_process(ctx, target, *args) -> dict:
-    """Run `target(*args, queue)` in a fresh process (its own peak RSS, its own torch state)."""
-    queue = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, queue))
+    """Run `target(*args, queue)` in a fresh process (its own peak RSS, its own torch state)
+    and return the row it puts. A ConfigError there (a budget too small for the batch) is
+    raised here; a process that dies without a row (an error, the OOM killer) is a
+    RuntimeError, not a wait for ever."""
+    from stream_ctr.config import ConfigError
+    results = ctx.Queue()
+    proc = ctx.Process(target=_report_config_errors, args=(target, *args, results))
     proc.start()
-    row = queue.get()
+    while True:
+        try:
+            row = results.get(timeout=1.0)
+            break
+        except Empty:
+            if not proc.is_alive() and results.empty():
+                proc.join()
+                raise RuntimeError(f"bench train: the measuring process ended without a result "
+                                   f"(exit code {proc.exitcode}); its error, if any, is printed above")
     proc.join()
+    if "error" in row:
+        raise ConfigError(row["error"])
     return row
+
+
+def _report_config_errors(target, *args) -> None:
+    """`target(*args)` in a measuring process; a ConfigError goes back to the parent as a row."""
+    from stream_ctr.config import ConfigError
+    try:
+        target(*args)
+    except ConfigError as exc:
+        args[-1].put({"error": str(exc)})
 
 
 def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
@@ -310,9 +341,6 @@ def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
         if peer:
             from stream_ctr.bench.peer import _peer_worker
             other = _in_process(ctx, _peer_worker, source, schema, bs, threads)
-            if "error" in other:
-                from stream_ctr.config import ConfigError
-                raise ConfigError(other["error"])
             row["peer"] = other["peer"]
             row["peer_samples_per_s"] = other["samples_per_s"]
             row["vs_peer_excl_decode"] = row["samples_per_s_excl_decode"] / other["samples_per_s"]

@@ -93,3 +93,20 @@ def test_bench_train_steps_a_tiered_store_with_look_ahead_and_compares_evict_ahe
     assert main(["bench", "train", "--records", "3000", "--store", "tiered", "--evict-ahead", "soon",
                  "--quiet"]) == 2
     assert "--evict-ahead" in capsys.readouterr().err
+
+
+def _fails(queue) -> None:
+    raise RuntimeError("a bug in the measuring process")
+
+
+def test_a_measuring_process_that_fails_is_an_error_not_a_wait(capsys):
+    # A budget too small for the batch: the child's ConfigError is the command's one line.
+    assert main(["bench", "train", "--records", "3000", "--batch-sizes", "2048", "--store", "tiered",
+                 "--cache-bytes", "12MiB", "--threads", "1", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cache-bytes" in err[0]
+    # Any other death of the child (its traceback is its own) ends the wait too.
+    import multiprocessing as mp
+    from stream_ctr.bench.train import _in_process
+    with pytest.raises(RuntimeError, match="ended without a result .exit code 1"):
+        _in_process(mp.get_context("spawn"), _fails)
