@@ -148,13 +148,23 @@ def steps_as_trained(trainer, batches: Iterable[Batch]) -> Iterator:
         yield trainer.train_step(event.batch, event.upcoming)
 
 
+def _all_threads():
+    """The profiler's option to record every thread (a tiered store's I/O thread too), on
+    the torch versions that have it; None elsewhere (the training thread only)."""
+    from torch._C._profiler import _ExperimentalConfig
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        return None
+
+
 def profile_steps(trainer, batches: list[Batch]) -> str:
     """torch.profiler's table of the ops of `batches`' steps, the 15 heaviest by their own
     time (on the GPU for CUDA, else on the CPU): where a step's time goes, by op."""
     from torch.profiler import ProfilerActivity, profile
     cuda = trainer.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, experimental_config=_all_threads()) as prof:
         for _ in steps_as_trained(trainer, batches):
             pass
         if cuda:

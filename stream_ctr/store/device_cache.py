@@ -19,6 +19,7 @@ import torch
 from stream_ctr.store.layout import COUNT, META_FIELDS, RowLayout, gather_rows, scatter_rows
 from stream_ctr.store.policies import _INF, priority, select_victims
 from stream_ctr.store.slot_index import SlotIndex
+from stream_ctr.store.stats import profiled
 
 
 @dataclass
@@ -80,6 +81,7 @@ class DeviceCache:
     def free(self) -> int:
         return self.capacity - len(self.index) - int(self.transient.sum())
 
+    @profiled("store.cache.lookup")
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """Slot of each key, -1 where not resident."""
         return self.index.lookup(keys)
@@ -91,6 +93,7 @@ class DeviceCache:
             raise RuntimeError(f"device cache has {free.numel()} free slots, {n} needed")
         return free[:n]
 
+    @profiled("store.cache.fill")
     def fill(self, slots: torch.Tensor, keys: torch.Tensor, packed: torch.Tensor,
              dirty: torch.Tensor, transient: bool = False) -> None:
         """Write packed rows into free `slots`; transient rows are not indexed."""
@@ -127,6 +130,7 @@ class DeviceCache:
         self.dirty[slots] = False
         return rows
 
+    @profiled("store.cache.evict")
     def evict(self, n: int, protect: torch.Tensor, policy: str) -> Rows:
         """Remove the `n` lowest-priority resident rows, never the slots in `protect`."""
         occupied = self.slot_keys >= 0

@@ -66,7 +66,7 @@ from stream_ctr.store.lmdb_tier import LmdbTier, WriteBatch
 from stream_ctr.store.plan import StorePlan
 from stream_ctr.store.policies import AdmissionSketch, expired
 from stream_ctr.store.spill_tier import SpillTier
-from stream_ctr.store.stats import StoreStats
+from stream_ctr.store.stats import StoreStats, profiled
 from stream_ctr.store.views import TieredReads
 from stream_ctr.threads import usable_cores
 
@@ -157,6 +157,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
     def observe_event_time(self, event_time_ms: int) -> None:
         self.newest_event_ms = max(self.newest_event_ms, int(event_time_ms))
 
+    @profiled("store.prepare")
     def prepare(self, keys: torch.Tensor) -> torch.Tensor:
         """Slots [U] for sorted unique keys [U]; blocks on the I/O thread first."""
         refuse_negative_keys(keys)
@@ -290,6 +291,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
             found |= self.spill.index.lookup(keys) >= 0
         return found
 
+    @profiled("store.take_staged")
     def _take_staged(self, staged: Staged) -> tuple[torch.Tensor, Rows]:
         """`_take_host` from what the I/O thread gathered: drop the copies' slots."""
         in_ram, in_spill = staged.ram_slots >= 0, staged.spill_slots >= 0
@@ -299,6 +301,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self.counters.add(spill_hits=int(in_spill.sum()))
         return in_ram | in_spill, staged.host
 
+    @profiled("store.take_host")
     def _take_host(self, keys: torch.Tensor) -> tuple[torch.Tensor, Rows]:
         """Remove the ones of sorted `keys` resident in RAM or the spill: (found [n], their
         rows in key order). Spilled rows come back exactly as RAM rows would."""
@@ -329,6 +332,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self._prefetched = None
         self._flush_job()               # (the I/O thread is idle now)
 
+    @profiled("store.wait_io")
     def _wait_staged(self) -> Staged | None:
         """`prepare`'s wait: for every job up to the last prefetch, which leaves RAM, the spill
         and the staged rows settled, and `_unwritten` still to write. Without a prefetch,
@@ -340,6 +344,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         staged, self._staged = self._staged, None
         return staged
 
+    @profiled("store.read_disk")
     def _read_disk(self, keys: np.ndarray, staged: Staged | None) -> tuple[np.ndarray, np.ndarray]:
         """(found, rows) of sorted keys in neither cache nor RAM: prefetched, else read now."""
         found = np.zeros(len(keys), dtype=bool)
@@ -364,6 +369,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
                               lmdb_read_seconds=time.perf_counter() - t0)
         return found, rows if found.all() else rows[np.nonzero(found)[0]]
 
+    @profiled("store.io.prefetch")
     def _prefetch_job(self, keys: torch.Tensor, busy: torch.Tensor | None) -> None:
         """Runs after this step's demotions (same thread, in order): makes the next batch's
         room in the cache (`_evict_ahead`), then sees RAM and the spill as the next
@@ -386,6 +392,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self.counters.add(prefetched_rows=len(disk_keys), lmdb_read_rows=len(disk_keys),
                           lmdb_read_seconds=time.perf_counter() - t0)
 
+    @profiled("store.io.evict_ahead")
     def _evict_ahead(self, n_miss: int, hits: torch.Tensor, busy: torch.Tensor | None) -> None:
         """On the I/O thread while the step trains: free the cache slots the next batch's
         `n_miss` misses will take, and move the victims down (`_demote_job`), so that
@@ -405,6 +412,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self.counters.add(rows_evicted_ahead=len(demoted))
         self._demote_job(demoted, Rows.cat([], self.layout, torch.device("cpu")))
 
+    @profiled("store.io.gather_host")
     def _gather_host(self, keys: torch.Tensor, ram_slots: torch.Tensor,
                      spill_slots: torch.Tensor) -> Rows:
         """Copies of the RAM and spill rows of sorted `keys` (slot per key, -1: not there),
@@ -485,6 +493,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         write_gen[pos] = meta[:, WRITE_GEN]
         return write_gen, rows.select(~admit[pos])
 
+    @profiled("store.new_rows")
     def _new_rows(self, keys: torch.Tensor, dirty: bool,
                   write_gen: torch.Tensor | None = None) -> Rows:
         n = keys.numel()
@@ -496,6 +505,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         return Rows(keys, self.layout.pack(w, zeros, zeros.clone(), meta).cpu(),
                     torch.full((n,), dirty, dtype=torch.bool))
 
+    @profiled("store.make_room")
     def _make_room(self, n: int, protect: torch.Tensor) -> Rows:
         """Free `n` cache slots; returns the demoted rows (the I/O thread puts them in RAM)."""
         short = n - self.cache.free
@@ -505,6 +515,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self.counters.evicted("cache_to_ram", len(demoted))
         return demoted
 
+    @profiled("store.expire_resident")
     def _expire_resident(self, protect: torch.Tensor) -> list[Rows]:
         """Reclaim expired cache and RAM rows (every ttl_steps/16 steps). Only space: `prepare`
         treats an expired row as absent whether or not this already ran."""
@@ -537,6 +548,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         # is decided there, after the LMDB writes before it (deterministic).
         self.io.submit(self._sweep_job, self.clock, self.newest_event_ms)
 
+    @profiled("store.io.demote")
     def _demote_job(self, demoted: Rows, gone: Rows) -> None:
         """On the I/O thread, while the step trains: demoted cache rows into RAM, the dirty
         rows RAM pushes out into the spill (clean ones are dropped), and what the spill
@@ -555,6 +567,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         if len(batch):
             self._unwritten.append(batch)
 
+    @profiled("store.io.lmdb_write")
     def _flush_job(self) -> None:
         """Write `_unwritten` to LMDB, in order (on the I/O thread, or with it idle)."""
         while self._unwritten:
@@ -573,6 +586,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
     def _resident(self, keys: torch.Tensor) -> torch.Tensor:
         return (self.cache.lookup(keys.to(self.device)).cpu() >= 0) | self._in_host(keys)
 
+    @profiled("store.io.sweep")
     def _sweep_job(self, clock: int, newest_event_ms: int) -> None:
         if not (self._disk_rows > self.plan.disk_rows or self.cfg.ttl_steps or self.cfg.ttl_seconds):
             return

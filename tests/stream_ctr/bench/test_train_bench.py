@@ -1,6 +1,7 @@
 """`stream-ctr bench train`: the trainer's samples/s beside a bare MLP measured in the same process."""
 import json
 import math
+import re
 
 import pytest
 
@@ -82,7 +83,7 @@ def test_bench_train_steps_a_tiered_store_with_look_ahead_and_compares_evict_ahe
     # and (evict_ahead on) frees their cache slots during the step before.
     assert main(["bench", "train", "--records", "6000", "--batch-sizes", "256", "--threads", "1",
                  "--store", "tiered", "--evict-ahead", "on,off", "--cache-bytes", "3MiB",
-                 "--ram-bytes", "1MiB", "--json", "--quiet"]) == 0
+                 "--ram-bytes", "1MiB", "--profile-steps", "3", "--json", "--quiet"]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert [r["store"] for r in rows] == ["tiered, evict_ahead on", "tiered, evict_ahead off"]
     on, off = (r["store_counters"] for r in rows)
@@ -90,6 +91,13 @@ def test_bench_train_steps_a_tiered_store_with_look_ahead_and_compares_evict_ahe
     assert 0 < on["rows_evicted_ahead"] <= on["cache_evictions"] and off["rows_evicted_ahead"] == 0
     assert off["cache_evictions"] > 0
     assert rows[1]["vs_first_store_excl_decode"] > 0
+    # The profile names the store's parts on both threads: evictions on the I/O thread
+    # with evict_ahead on, in prepare with it off.
+    parts = {r["store"]: dict(re.findall(r"^  (store\.[\w.]+) +(\d+) calls", r["profile"], re.M))
+             for r in rows}
+    on_parts, off_parts = parts["tiered, evict_ahead on"], parts["tiered, evict_ahead off"]
+    assert on_parts["store.prepare"] == "3" and "store.io.prefetch" in on_parts
+    assert "store.io.evict_ahead" in on_parts and "store.io.evict_ahead" not in off_parts
     assert main(["bench", "train", "--records", "3000", "--store", "tiered", "--evict-ahead", "soon",
                  "--quiet"]) == 2
     assert "--evict-ahead" in capsys.readouterr().err
