@@ -267,7 +267,9 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
 
     def prefetch(self, keys: torch.Tensor) -> None:
         """Gather, on the I/O thread while this step trains, the next batch's rows outside the
-        cache: copies from RAM and the spill, reads from LMDB (see `Staged`)."""
+        cache: copies from RAM and the spill, reads from LMDB (see `Staged`); with
+        `evict_ahead`, first free the cache slots they will take. Call it after `prepare`
+        of the step in flight: the slots that returned are never evicted ahead."""
         refuse_negative_keys(keys)
         if not self.read_only:
             self._prefetched = self.io.submit(self._prefetch_job, keys, self._busy)
