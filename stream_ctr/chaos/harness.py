@@ -297,6 +297,11 @@ reference on the same stream, verify."""
                     base = checkpointed_records(run_dir)
                 if i:       # after the start-up kill, faults strike an attempt that is training
                     wait_for_progress(trainers, run_dir, base)
+                if not trainers.alive:
+                    # It stopped on its own while we waited (idle at the end of the stream): the
+                    # fault strikes a new attempt, or a full disk would find no trainer to stop.
+                    trainers.start()
+                    base = checkpointed_records(run_dir)
                 time.sleep(fault.after_s)
                 try:
                     with producer.lock if fault.kind == BROKER_RESTART else contextlib.nullcontext():

@@ -20,9 +20,10 @@ import random
 from collections import Counter
 
 import numpy as np
+import pytest
 
 from stream_ctr.chaos.harness import ChaosConfig, run_chaos
-from stream_ctr.chaos.schedule import (BROKER_RESTART, KILL, KILL_IN_CHECKPOINT, KILL_IN_REBALANCE, KILLS, MEMBER_JOIN,
+from stream_ctr.chaos.schedule import (BROKER_RESTART, DISK_FULL, KILL, KILL_IN_CHECKPOINT, KILL_IN_REBALANCE, KILLS, MEMBER_JOIN,
                                        PAUSE, ScheduleSpec, make_schedule)
 from stream_ctr.chaos.stream import BAD_KINDS, malformed, sample_lines
 from stream_ctr.chaos.verify import dead_letters_check, positions_check
@@ -107,3 +108,24 @@ def test_a_seeded_chaos_run_verifies_exactly_once_and_the_fault_free_model(tmp_p
     assert report.faults[0]["checkpointed_records"] is None        # killed before any checkpoint
     assert report.attempts >= 11
     assert sum(report.bad_messages.values()) > 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a full checkpoint disk needs a tmpfs mounted (root)")
+def test_a_fault_after_the_trainer_stopped_idle_strikes_a_new_attempt(tmp_path):
+    """The stream ends long before the schedule does: a trainer that found nothing more to
+    train stops on its own, and the full disk at the end (seed 0) must still strike a
+    running trainer and stop it with one clear error. It once struck nothing, and the
+    verifier failed the trainer for it (seed 1811 of the test above, on a fast machine)."""
+    spec = ScheduleSpec(kills=4, checkpoint_kills=0, rebalance_kills=0, pauses=0, broker_restarts=0,
+                        member_joins=0, disk_fulls=1)
+    assert [f.kind for f in make_schedule(spec, 0)][-1] == DISK_FULL
+    cfg = ChaosConfig(seed=0, records=3_000, partitions=2, produce_s=1.0, stop_when_idle_s=2.0,
+                      schedule=spec, work_dir=str(tmp_path / "chaos"))
+    lines: list[str] = []
+    report = run_chaos(cfg, lines.append)
+    log = "\n".join(lines)
+    assert report.ok, log
+    assert report.faults[-1]["exit"] == 4, log
+    # More attempts than the faults account for (the first, one per kill, one after the
+    # full disk): the harness started the trainers that had stopped idle.
+    assert report.attempts > 1 + 4 + 1, log
