@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from stream_ctr.chaos.harness import ChaosConfig, run_chaos
-from stream_ctr.chaos.schedule import (BROKER_RESTART, DISK_FULL, KILL, KILL_IN_CHECKPOINT, KILL_IN_REBALANCE, KILLS, MEMBER_JOIN,
-                                       PAUSE, ScheduleSpec, make_schedule)
+from stream_ctr.chaos.schedule import (BROKER_RESTART, DISK_FULL, KILL, KILL_IN_CHECKPOINT, KILL_IN_REBALANCE,
+                                       KILLS, MEMBER_JOIN, PAUSE, ScheduleSpec, make_schedule)
 from stream_ctr.chaos.stream import BAD_KINDS, malformed, sample_lines
 from stream_ctr.chaos.verify import dead_letters_check, positions_check
 from stream_ctr.connectors.formats import FORMATS
