@@ -38,6 +38,13 @@ the spill drained waits in `_unwritten` until the next `prepare` starts it;
 a prefetch reads those rows from there, and every direct LMDB read, sweep,
 checkpoint and `close` writes them first (`settle`). Outside `prepare`, only
 the read-only views and a checkpoint (which settle first) touch the tiers.
+
+On a GPU the I/O thread's device work runs on a stream of its own
+(io_worker.py), so the prefetch's cache lookup and evictions run beside the
+step's kernels instead of after them. That is safe because the step in flight
+reads and writes only its own slots (`_busy`), which the I/O thread never
+evicts: the two streams touch disjoint rows of the cache's tensors, and only
+the I/O thread changes the index between two `prepare` calls.
 """
 from __future__ import annotations
 
@@ -120,7 +127,7 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         self.spill = self._new_spill()
         width = min(1 << max(16, (2 * plan.working_set_rows - 1).bit_length()), 1 << 22)
         self.sketch = AdmissionSketch(store.admission_min_count, width, self.device)
-        self.io = IoWorker()
+        self.io = IoWorker(self.device)
         self.counters = StoreStats()
         self.clock, self.newest_event_ms = 0, -1
         self._staged: Staged | None = None
@@ -390,7 +397,8 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         disk_keys = cand[(ram_slots < 0) & (spill_slots < 0)].numpy()
         t0 = time.perf_counter()
         found, rows = self._unwritten_over(disk_keys, *self.disk.get(disk_keys))
-        self._staged = Staged(cand, ram_slots, spill_slots, host, disk_keys, found, rows, keys, cache_slots)
+        self._staged = Staged(cand, ram_slots, spill_slots, host, disk_keys, found, rows, keys,
+                              self.io.hand_over(cache_slots))
         self.counters.add(prefetched_rows=len(disk_keys), lmdb_read_rows=len(disk_keys),
                           lmdb_read_seconds=time.perf_counter() - t0)
 

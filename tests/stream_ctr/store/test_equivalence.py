@@ -56,6 +56,34 @@ def test_tiny_tiers_train_bit_identical_to_one_table(tmp_path, spill_rows, evict
     store.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tiny_tiers_on_cuda_train_as_one_table(tmp_path):
+    """On a GPU the prefetch's lookups and evictions ahead run on the I/O thread's own
+    stream, beside the step's kernels: a missing wait between the streams, or memory
+    reused while the other stream still read it, would show as rows or scores that
+    differ from the one-table run's (the kernels' float sums may differ in order, so
+    the numbers are compared to float32 rounding; keys and steps exactly)."""
+    batches = criteo_batches(60, tmp=tmp_path)
+    mem_cfg = small_config(tmp_path / "mem", tiered=False)
+    cfg = small_config(tmp_path / "tier", tiered=True, evict_ahead="on")
+    for c in (mem_cfg, cfg):
+        c.train.device = "cuda"
+    mem, mem_probs = run_steps(mem_cfg, batches, False)
+    tier, tier_probs = run_steps(cfg, batches, True)
+    store = tier.store
+    assert store.io.stream is not None
+    stats = store.stats()
+    assert stats["rows_evicted_ahead"] > 1000 and stats["lookups"]["disk"]["hit"] > 1000
+    assert torch.allclose(mem_probs.cpu(), tier_probs.cpu(), rtol=1e-4, atol=1e-6)
+    keys, packed = store.export()
+    w, m, v, _ = store.layout.unpack(torch.from_numpy(packed))
+    want = {k: t.cpu() for k, t in sorted_memory_rows(mem.store.state_dict()).items()}
+    assert torch.equal(want["keys"], torch.from_numpy(keys))
+    for name, got in (("weight", w), ("exp_avg", m), ("exp_avg_sq", v)):
+        assert torch.allclose(want[name], got, rtol=1e-4, atol=1e-6), name
+    store.close()
+
+
 def test_tiered_resume_is_bit_identical_to_uninterrupted_memory_run(tmp_path):
     whole = small_config(tmp_path / "whole", tiered=False)
     whole.data.limit_records = 20 * 128
