@@ -146,6 +146,10 @@ class ResolvedOptim(OptimConfig):
     ramp_steps: int = 0             # the ramp's steps: ceil(ramp_samples / ramp_batch)
 
 
+# torch.compile's modes that train.compile_mode takes.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
+
 @dataclass
 class TrainConfig:
     device: str = "auto"            # auto | cpu | cuda | cuda:N
@@ -162,6 +166,11 @@ class TrainConfig:
     # compiles for ~10-20 s at start and again for each new batch shape (the last partial
     # batch), which a short run never earns back.
     compile: bool = False
+    # torch.compile's mode: "default"; "reduce-overhead" also records the compiled forward
+    # and backward as CUDA graphs, one launch each instead of one per kernel, which is what
+    # bounds a GPU step at small batches (a graph per batch shape; on the CPU the same as
+    # default); "max-autotune-no-cudagraphs" times kernel variants while compiling.
+    compile_mode: str = "default"
     seed: int = 1235
     # torch intra-op threads; 0 = auto: the cores the process may use (affinity, cgroup
     # quota, its share among the ranks on the host), fewer when other processes keep
@@ -534,6 +543,8 @@ def validate(cfg: Config) -> Config:
         (t.eval_window_records >= 1, "train.eval_window_records must be >= 1"),
         (cfg.data.read_ahead_chunks >= 0, "data.read_ahead_chunks must be >= 0 (0: no read-ahead)"),
         (cfg.data.decode_threads >= 0, "data.decode_threads must be >= 0 (0: one per 4 cores)"),
+        (t.compile_mode in COMPILE_MODES,
+         f"train.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {t.compile_mode!r}"),
         (t.precision in ("auto", "fp32", "bf16"),
          f"train.precision must be auto, fp32 or bf16, got {t.precision!r}"),
         (t.eval_refresh_s >= 0, "train.eval_refresh_s must be >= 0 (0: recompute the window after every batch)"),

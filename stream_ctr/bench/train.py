@@ -15,7 +15,9 @@ how long `prepare` blocked on the I/O thread, LMDB reads and writes, and how
 many of the cache's evictions were made during the step before. Steps run as
 `train` runs them: a tiered store is told the next batch, so its I/O thread
 stages that batch's rows during the step. `evict_ahead` modes of the tiered
-store (`--evict-ahead on,off`) are alternated like stores.
+store (`--evict-ahead on,off`) and train.compile's modes (`--compile
+off,reduce-overhead`; "off": eager) are alternated like stores; a row after
+the first of its repeat carries its ratio to that first one.
 
 Beside them, in the same process and minute, a bare torch MLP of the model's
 deep part (input F*d + n_dense, the configured hidden layers, one output):
@@ -66,7 +68,7 @@ class StoreChoice:
 
 
 def _bench_config(model: str, batch_size: int, threads: int, precision: str = "auto",
-                  read_ahead_chunks: int = 2, compile_model: bool = False,
+                  read_ahead_chunks: int = 2, compile_mode: str = "off",
                   store: StoreChoice = StoreChoice()) -> Config:
     cfg = Config()
     cfg.store.kind = store.kind
@@ -78,7 +80,9 @@ def _bench_config(model: str, batch_size: int, threads: int, precision: str = "a
         cfg.store.spill_bytes = store.spill_bytes
     cfg.store.evict_ahead = store.evict_ahead
     cfg.train.precision = precision
-    cfg.train.compile = compile_model
+    cfg.train.compile = compile_mode != "off"
+    if cfg.train.compile:
+        cfg.train.compile_mode = compile_mode
     cfg.data.read_ahead_chunks = read_ahead_chunks
     cfg.model.name = model
     cfg.data.batch_size = batch_size
@@ -198,11 +202,11 @@ def _store_counters(trainer) -> dict | None:
 
 
 def _worker(source: str, schema: str, model: str, batch_size: int, threads: int, precision: str,
-            read_ahead: int, compile_model: bool, profile: int, store: StoreChoice,
+            read_ahead: int, compile_mode: str, profile: int, store: StoreChoice,
             queue: mp.Queue) -> None:
     from stream_ctr.train.trainer import Trainer
     from stream_ctr.train.loop import configure_torch
-    cfg = _bench_config(model, batch_size, threads, precision, read_ahead, compile_model, store)
+    cfg = _bench_config(model, batch_size, threads, precision, read_ahead, compile_mode, store)
     configure_torch(cfg)
     fmt, _ = detect_format(source, schema)
     root = tempfile.TemporaryDirectory(prefix="stream_ctr_bench_store_")
@@ -268,7 +272,7 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
                "device": str(trainer.device), "threads": torch.get_num_threads(),
                "precision": trainer.precision, "read_ahead_chunks": cfg.data.read_ahead_chunks,
                "decode_threads": threads_decoding,
-               "compile": cfg.train.compile,
+               "compile": compile_mode,
                "bare_mlp_fp32_samples_per_s": bare["fp32"], "bare_mlp_bf16_samples_per_s": bare["bf16"],
                "bare_mlp_fp32_before_after": (bare_before["fp32"], bare_after["fp32"]),
                "vs_bare_fp32": (records / total_s) / bare["fp32"],
@@ -319,7 +323,7 @@ def _report_config_errors(target, *args) -> None:
 
 def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
                 data: str | None = None, threads: int = 0, show_progress: bool = True,
-                precision: str = "auto", read_ahead: int = 2, compile_model: bool = False,
+                precision: str = "auto", read_ahead: int = 2, compile_modes: tuple[str, ...] = ("off",),
                 peer: str | None = None, repeats: int = 1, schema: str = "",
                 profile: int = 0, stores: tuple[StoreChoice, ...] = (StoreChoice(),)) -> list[dict]:
     """One row per batch size and repeat.  With `peer="deepctr"` each of our runs is
@@ -327,8 +331,9 @@ def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
     measured in the same minute (A, B, A, B with repeats >= 2) and the row carries the
     ratio: on a shared machine only such ratios compare. `profile` > 0 profiles that many
     steps after the decode-excluded pass (`profile_steps`; the row's "profile"). Several
-    `stores` alternate within each repeat; a row after the first store's carries its
-    ratio to it ("vs_first_store_excl_decode", "..._incl_decode")."""
+    `stores`, and for each several `compile_modes` ("off", or train.compile_mode's),
+    alternate within each repeat; a row after the repeat's first carries its ratio to
+    it ("vs_first_store_excl_decode", "..._incl_decode")."""
     import sys
     from stream_ctr.connectors.synth import write_synthetic_criteo
     if peer not in (None, "deepctr"):
@@ -345,9 +350,9 @@ def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
     ctx = mp.get_context("spawn")
     rows = []
 
-    def measure(bs: int, store: StoreChoice) -> dict:
+    def measure(bs: int, store: StoreChoice, mode: str) -> dict:
         row = _in_process(ctx, _worker, source, schema, model, bs, threads, precision,
-                          read_ahead, compile_model, profile, store)
+                          read_ahead, mode, profile, store)
         if peer:
             from stream_ctr.bench.peer import _peer_worker
             other = _in_process(ctx, _peer_worker, source, schema, bs, threads)
@@ -357,7 +362,9 @@ def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
             row["vs_peer_incl_decode"] = row["samples_per_s_incl_decode"] / other["samples_per_s"]
         if show_progress:
             extra = (f"; {row['peer']} {row['peer_samples_per_s']:,.0f}" if peer else "")
-            print(f"bench train: batch {bs:,}, {store.label} store: {row['samples_per_s_excl_decode']:,.0f} "
+            compiled = "" if mode == "off" else f", compile {mode}"
+            print(f"bench train: batch {bs:,}, {store.label} store{compiled}: "
+                  f"{row['samples_per_s_excl_decode']:,.0f} "
                   f"samples/s (excl. decode){extra}", flush=True, file=sys.stderr)
         return row
 
@@ -365,8 +372,8 @@ def bench_train(records: int, batch_sizes: list[int], model: str = "deepfm",
         for bs in batch_sizes:
             for _ in range(max(1, repeats)):
                 first = None
-                for store in stores:
-                    row = measure(bs, store)
+                for store, mode in ((s, m) for s in stores for m in compile_modes):
+                    row = measure(bs, store, mode)
                     if first is None:
                         first = row
                     else:
@@ -390,10 +397,17 @@ def format_table(rows: list[dict]) -> str:
             ("bare_mlp_fp32_samples_per_s", "bare MLP fp32/s", "{:,.0f}"),
             ("bare_mlp_bf16_samples_per_s", "bare MLP bf16/s", "{:,.0f}"),
             ("vs_bare_fp32", "incl. decode vs bare fp32", "{:.2f}x")]
-    if len({r.get("store", "memory") for r in rows}) > 1:
+    stores_vary = len({r.get("store", "memory") for r in rows}) > 1
+    compiles_vary = len({r.get("compile", "off") for r in rows}) > 1
+    if compiles_vary:
+        cols.insert(1, ("compile", "compile", "{}"))
+    if stores_vary:
         cols.insert(1, ("store", "store", "{}"))
-        cols += [("vs_first_store_excl_decode", f"excl. decode vs {rows[0]['store']}", "{:.2f}x"),
-                 ("vs_first_store_incl_decode", f"incl. decode vs {rows[0]['store']}", "{:.2f}x")]
+    if stores_vary or compiles_vary:
+        first = " ".join(([rows[0]["store"]] if stores_vary else [])
+                         + ([f"compile {rows[0]['compile']}"] if compiles_vary else []))
+        cols += [("vs_first_store_excl_decode", f"excl. decode vs {first}", "{:.2f}x"),
+                 ("vs_first_store_incl_decode", f"incl. decode vs {first}", "{:.2f}x")]
     if rows and "peer" in rows[0]:
         cols += [("peer_samples_per_s", f"{rows[0]['peer']}/s", "{:,.0f}"),
                  ("vs_peer_excl_decode", "excl. decode vs peer", "{:.2f}x"),
@@ -405,7 +419,8 @@ def format_table(rows: list[dict]) -> str:
     lines.insert(1, "-+-".join("-" * w for w in widths))
     device = rows[0]["device"] if rows else "?"
     precision = rows[0].get("precision", "fp32") if rows else "?"
-    compiled = " (torch.compile)" if rows and rows[0].get("compile") else ""
+    modes = {r.get("compile", "off") for r in rows}
+    compiled = f" (torch.compile {modes.pop()})" if len(modes) == 1 and "off" not in modes else ""
     return (f"model {rows[0]['model'] if rows else '?'} on {device}, trainer in {precision}{compiled}; "
             f"bare MLP = the deep part alone, same process, mean of before and after the "
             f"decode-included pass\n" + "\n".join(lines))

@@ -238,8 +238,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="train.precision of the trainer (default auto: bf16 where the hardware runs it fast)")
     b.add_argument("--read-ahead", type=int, default=2,
                    help="data.read_ahead_chunks of the decode-included run (0: decode on the training thread)")
-    b.add_argument("--compile", action="store_true",
-                   help="train.compile: the dense model through torch.compile (compiled before timing)")
+    b.add_argument("--compile", nargs="?", const="default", default="off", metavar="MODES",
+                   help="train.compile: the dense model through torch.compile (compiled before "
+                        "timing), in train.compile_mode MODES (default, reduce-overhead: CUDA "
+                        "graphs, max-autotune-no-cudagraphs); several, comma-separated, with off "
+                        "for eager, are alternated (e.g. off,reduce-overhead) (default: off)")
     b.add_argument("--peer", choices=["deepctr"],
                    help="after each run, deepctr-torch's DeepFM on the same rows in its own process "
                         "(pip install deepctr-torch==0.3.0 scikit-learn); prints the ratio")
@@ -512,12 +515,17 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     if not modes or any(m not in ("auto", "on", "off") for m in modes):
         raise ConfigError(f"bench train: --evict-ahead takes auto, on, off or a list of them "
                           f"(e.g. on,off), got {args.evict_ahead!r}")
+    from stream_ctr.config import COMPILE_MODES
+    compiles = tuple(m.strip() for m in args.compile.split(",") if m.strip())
+    if not compiles or any(m not in ("off",) + COMPILE_MODES for m in compiles):
+        raise ConfigError(f"bench train: --compile takes off, {', '.join(COMPILE_MODES)} or a list "
+                          f"of them (e.g. off,reduce-overhead), got {args.compile!r}")
     stores = tuple(StoreChoice(k, args.cache_bytes, args.ram_bytes, args.spill_bytes, m)
                    for k in kinds for m in (modes if k == "tiered" else ["auto"]))
     rows = bench_train(args.records, [int(x) for x in args.batch_sizes.split(",")],
                        args.model, args.data, args.threads, show_progress=not args.quiet,
                        precision=args.precision, read_ahead=args.read_ahead,
-                       compile_model=args.compile, peer=args.peer, repeats=args.repeats,
+                       compile_modes=compiles, peer=args.peer, repeats=args.repeats,
                        schema=read_schema_file(args.schema) if args.schema else "",
                        profile=args.profile_steps, stores=stores)
     if not args.json:

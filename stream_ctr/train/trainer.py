@@ -123,7 +123,11 @@ class Trainer:
         if cfg.train.average_dense_samples > 0:
             self.average_model = copy.deepcopy(self.model).requires_grad_(False)
         if cfg.train.compile:       # in place: parameters and state_dict keys stay the model's
-            self.model.compile(dynamic=None)
+            self.model.compile(dynamic=None, mode=cfg.train.compile_mode)
+        # With CUDA graphs a graph's outputs are overwritten by its next replay: each step
+        # tells torch that the last one's are done with.
+        self._graph_steps = (cfg.train.compile and cfg.train.compile_mode == "reduce-overhead"
+                             and self.device.type == "cuda")
         self.step = 0
         # Hierarchical replicas: called after backward with the records this step trained
         # (0 if skipped); makes the dense gradients the node's mean and returns the node's
@@ -293,6 +297,8 @@ class Trainer:
     def _step(self, batch: Batch, upcoming: Batch | None) -> StepResult:
         """One optimizer step on `batch`, with the settings of the step it is (`_step_optim`)."""
         t0 = time.perf_counter()
+        if self._graph_steps:
+            torch.compiler.cudagraph_mark_step_begin()
         b = len(batch)
         dense, labels, weight = self._inputs(batch)
 

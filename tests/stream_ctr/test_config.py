@@ -27,6 +27,7 @@ def test_toml_and_overrides(tmp_path):
     ("store.ttl_steps=100", "need store.kind = tiered"),     # the memory store has no TTL
     ("store.admission_min_count=2", "need store.kind = tiered"),
     ("store.evict_ahead=yes", "store.evict_ahead must be auto, on or off"),
+    ("train.compile_mode=fast", "train.compile_mode must be one of default, reduce-overhead"),
 ])
 def test_bad_values_name_the_option(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):

@@ -32,7 +32,24 @@ def test_bench_train_times_a_compiled_trainer_after_compiling(capsys):
     assert main(["bench", "train", "--records", "3000", "--batch-sizes", "512", "--threads", "1",
                  "--precision", "fp32", "--compile", "--json", "--quiet"]) == 0
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
-    assert row["compile"] is True and positive(row["samples_per_s_incl_decode"])
+    assert row["compile"] == "default" and positive(row["samples_per_s_incl_decode"])
+
+
+def test_bench_train_alternates_eager_and_compile_modes(capsys):
+    # reduce-overhead records CUDA graphs on a GPU; on the CPU it compiles as default does.
+    from stream_ctr.bench.train import format_table
+    assert main(["bench", "train", "--records", "3000", "--batch-sizes", "512", "--threads", "1",
+                 "--precision", "fp32", "--compile", "off,reduce-overhead", "--json", "--quiet"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    eager, graphs = rows
+    table = format_table(rows).splitlines()
+    assert "compile" in table[1] and "excl. decode vs compile off" in table[1]
+    assert (eager["compile"], graphs["compile"]) == ("off", "reduce-overhead")
+    assert "vs_first_store_excl_decode" not in eager
+    assert graphs["vs_first_store_excl_decode"] == pytest.approx(
+        graphs["samples_per_s_excl_decode"] / eager["samples_per_s_excl_decode"])
+    assert main(["bench", "train", "--compile", "fast"]) == 2
+    assert "--compile takes off, default, reduce-overhead" in capsys.readouterr().err
 
 
 def test_bench_train_on_a_json_log_with_its_schema(capsys, tmp_path):
