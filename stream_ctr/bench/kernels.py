@@ -69,6 +69,9 @@ def add_bench_kernels_parser(bsub: argparse._SubParsersAction, add_common) -> No
     b.add_argument("--threads", type=int, default=0, help="torch intra-op threads on the CPU "
                    "(0: torch default)")
     b.add_argument("--seed", type=int, default=0, help="seed of the generated inputs")
+    b.add_argument("--cowclip-sweep", action="store_true",
+                   help="CUDA: also time the Triton CowClip + Adam at several launches (rows per "
+                        "program, warps) beside the default, for each width")
     add_common(b)
     b.set_defaults(func=cmd_bench_kernels)
 
@@ -86,11 +89,14 @@ def cmd_bench_kernels(args: argparse.Namespace) -> tuple[dict, str]:
         raise ConfigError(f"bench kernels: --batch-size x --fields ({slots:,} slots) must be at "
                           f"least --rows ({args.rows:,}): every unique row is used by a slot")
     device = resolve_device(args.device)
+    if args.cowclip_sweep and (device.type != "cuda" or triton_unavailable_reason(device)):
+        raise ConfigError(f"bench kernels: --cowclip-sweep times Triton launches on a CUDA device; "
+                          f"Triton does not run on {device} here")
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
     rows = bench_kernels(args.rows, dims, slots, device, args.repeat, args.warmup, args.seed,
-                         show_progress=not args.quiet)
+                         show_progress=not args.quiet, cowclip_sweep=args.cowclip_sweep)
     if not args.json:
         print(format_kernels_table(rows))
     return ({"bench": "kernels", "device": str(device), "rows": rows},
@@ -229,15 +235,23 @@ class KernelCase:
     shape: str
     bytes: int
     slots: int | None
-    reference: Setup
+    reference: Setup | None
     fast: Setup | None
     no_fast: str = ""
 
 
-def cowclip_adam_case(rows: int, dim: int, device: torch.device, seed: int) -> KernelCase:
-    """CowClip + Adam on `rows` unique touched rows, random order, of a table of 2 x rows."""
+# (rows per program, warps) of the Triton CowClip + Adam launches `--cowclip-sweep` times.
+COWCLIP_SWEEP = ((32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8))
+
+
+def cowclip_adam_case(rows: int, dim: int, device: torch.device, seed: int,
+                      sweep: bool = False) -> list[KernelCase]:
+    """CowClip + Adam on `rows` unique touched rows, random order, of a table of 2 x rows;
+    with `sweep`, then the Triton kernel alone at each launch of COWCLIP_SWEEP (CUDA)."""
+    import functools
     import torch
-    from stream_ctr.ops.cowclip_adam import cowclip_adam_cpu, cowclip_adam_reference, cowclip_adam_triton
+    from stream_ctr.ops.cowclip_adam import (cowclip_adam_cpu, cowclip_adam_reference, cowclip_adam_triton,
+                                             launch_config)
     gen = torch.Generator().manual_seed(seed)
     table_rows = TABLE_ROWS_PER_TOUCHED_ROW * rows
     weight = (torch.randn(table_rows, dim, generator=gen) * 0.01).to(device)
@@ -251,9 +265,17 @@ def cowclip_adam_case(rows: int, dim: int, device: torch.device, seed: int) -> K
         return lambda: lambda: impl(weight, exp_avg, exp_avg_sq, touched, grad, count,
                                     clip_dims=dim, **ADAM_KWARGS)
     fast = cowclip_adam_triton if device.type == "cuda" else cowclip_adam_cpu
-    return KernelCase("cowclip_adam", dim, f"{rows:,} of {table_rows:,} rows x {dim}",
-                      cowclip_adam_bytes(rows, dim), None,
-                      setup(cowclip_adam_reference), setup(fast))
+    shape = f"{rows:,} of {table_rows:,} rows x {dim}"
+    cases = [KernelCase("cowclip_adam", dim, shape, cowclip_adam_bytes(rows, dim), None,
+                        setup(cowclip_adam_reference), setup(fast))]
+    if sweep:
+        default = launch_config(dim)
+        for block_rows, warps in COWCLIP_SWEEP:
+            mark = " (default)" if (block_rows, warps) == default else ""
+            launch = functools.partial(cowclip_adam_triton, block_rows=block_rows, num_warps=warps)
+            cases.append(KernelCase(f"cowclip_adam {block_rows} rows/{warps} warps{mark}", dim, shape,
+                                    cowclip_adam_bytes(rows, dim), None, None, setup(launch)))
+    return cases
 
 
 def gather_cases(slots: int, rows: int, dim: int, device: torch.device, seed: int) -> list[KernelCase]:
@@ -330,11 +352,14 @@ def key_cases(slots: int, rows: int, device: torch.device, seed: int) -> list[Ke
 # -- the benchmark ------------------------------------------------------------------------
 
 def bench_kernels(rows: int, dims: list[int], slots: int, device: torch.device, repeat: int,
-                  warmup: int, seed: int = 0, show_progress: bool = False) -> list[dict]:
+                  warmup: int, seed: int = 0, show_progress: bool = False,
+                  cowclip_sweep: bool = False) -> list[dict]:
     """One result row per (kernel, d) (hash_find and unique_keys once, d = 0): bytes
     moved, copy bandwidth, and per path (`reference_*`, `fast_*`) seconds per call,
     bytes/s and the ratio to the copy. `fast_path` names the fast path ("triton",
-    "cpu-loops"); its numbers are None where it does not run, and `fast_path` says why."""
+    "cpu-loops"); its numbers are None where it does not run, and `fast_path` says why.
+    `cowclip_sweep` (CUDA) adds a row per Triton launch of COWCLIP_SWEEP after each
+    width's cowclip_adam row, the Triton kernel alone (no reference)."""
     import torch
     from stream_ctr.ops import dispatch
     if device.type == "cuda" and device.index is None:
@@ -344,7 +369,7 @@ def bench_kernels(rows: int, dims: list[int], slots: int, device: torch.device, 
     results = []
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         for dim in dims:
-            cases = [cowclip_adam_case(rows, dim, device, seed),
+            cases = [*cowclip_adam_case(rows, dim, device, seed, cowclip_sweep),
                      *gather_cases(slots, rows, dim, device, seed)]
             if dim == dims[-1]:            # no width: once, after the last width's cases
                 cases += key_cases(slots, rows, device, seed)
@@ -362,7 +387,7 @@ def bench_kernels(rows: int, dims: list[int], slots: int, device: torch.device, 
                 results.append(row)
                 if show_progress:
                     print(f"bench kernels: {case.kernel} d={case.dim}: reference "
-                          f"{row['reference_bytes_per_s'] / 1e9:.1f} GB/s, {row['fast_path']} "
+                          f"{_gb_per_s(row['reference_bytes_per_s'])}, {row['fast_path']} "
                           f"{_gb_per_s(row['fast_bytes_per_s'])}", file=sys.stderr, flush=True)
             del cases
             if device.type == "cuda":

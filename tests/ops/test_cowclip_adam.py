@@ -1,6 +1,7 @@
 """CowClip + sparse Adam: Triton and the CPU loop vs reference, and the spec checks of
 cowclip.md section 6."""
 
+import functools
 import math
 
 import pytest
@@ -64,6 +65,22 @@ def impl_device(request):
 @pytest.mark.parametrize("linear_cols", [0, 1])
 def test_triton_matches_reference(triton_device, u, d, linear_cols):
     _matches_reference(cowclip_adam_triton, triton_device, u, d, linear_cols)
+
+
+@pytest.mark.parametrize("d", [11, 16])
+@pytest.mark.parametrize("block_rows,num_warps", [(16, 2), (256, 8)])
+def test_triton_launch_overrides_compute_the_same_rows(triton_device, d, block_rows, num_warps):
+    """`bench kernels --cowclip-sweep`'s launches: blocks of another size and warp count
+    update every row as the reference does, the counts exact."""
+    _matches_reference(functools.partial(cowclip_adam_triton, block_rows=block_rows,
+                                         num_warps=num_warps), triton_device, 300, d, 1)
+
+
+def test_triton_launch_refuses_a_block_that_is_not_a_power_of_two(triton_device):
+    table = make_table(20, 11, seed=1, device=triton_device)
+    with pytest.raises(ValueError, match="block_rows must be a power of 2"):
+        run(functools.partial(cowclip_adam_triton, block_rows=48), table,
+            make_batch(20, 10, 11, seed=1, device=triton_device), clip_dims=10)
 
 
 @pytest.mark.parametrize("u", [0, 1, 7, 300])

@@ -99,6 +99,27 @@ def test_bench_kernels_too_few_slots_is_a_user_error(capsys):
     assert len(err) == 1 and err[0].startswith("stream-ctr: error:") and "--rows" in err[0]
 
 
+@pytest.mark.skipif(ON_CUDA, reason="the CPU's refusal")
+def test_bench_kernels_cowclip_sweep_needs_cuda(capsys):
+    assert main(["bench", "kernels", "--rows", "100", "--dims", "8", "--batch-size", "8",
+                 "--fields", "13", "--device", "cpu", "--cowclip-sweep"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cowclip-sweep times Triton launches on a CUDA device" in err[0]
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="Triton launches are timed on CUDA only")
+def test_bench_kernels_cowclip_sweep_times_each_launch(capsys):
+    from stream_ctr.bench.kernels import COWCLIP_SWEEP
+    out = run_json(capsys, "bench", "kernels", "--rows", "500", "--dims", "11", "--batch-size", "32",
+                   "--fields", "39", "--repeat", "2", "--warmup", "1", "--cowclip-sweep")
+    sweep = [r for r in out["rows"] if r["kernel"].startswith("cowclip_adam ")]
+    assert len(sweep) == len(COWCLIP_SWEEP)
+    assert sum("(default)" in r["kernel"] for r in sweep) == 1
+    for r in sweep:
+        assert r["reference_seconds_per_call"] is None and positive(r["fast_seconds_per_call"])
+        assert r["fast_path"] == dispatch.PATH_TRITON and r["dim"] == 11
+
+
 @pytest.fixture
 def torch_global_state():
     """`bench step` configures torch as `train` does (denormals flushed, deterministic
