@@ -198,6 +198,7 @@ def _store_counters(trainer) -> dict | None:
             "lmdb_written_rows": c["lmdb_written_rows"], "lmdb_write_s": c["lmdb_write_seconds"],
             "rows_written_back": c["rows_written_back"], "rows_spilled": c["rows_spilled"],
             "spill_hits": c["spill_hits"], "rows_evicted_ahead": c["rows_evicted_ahead"],
+            "rows_uploaded_ahead": c["rows_uploaded_ahead"],
             "cache_evictions": c["evictions"]["cache_to_ram"]}
 
 

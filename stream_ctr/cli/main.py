@@ -540,7 +540,8 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
                       f"{c['lmdb_written_rows']:,} in {c['lmdb_write_s']:.2f} s; spilled "
                       f"{c['rows_spilled']:,} rows, {c['spill_hits']:,} read back from the spill; "
                       f"{c['rows_evicted_ahead']:,} of {c['cache_evictions']:,} cache evictions "
-                      f"made during the step before")
+                      f"made during the step before; {c['rows_uploaded_ahead']:,} rows installed "
+                      f"from device copies made then")
         for row in rows:
             if row.get("profile"):
                 print(row["profile"])

@@ -35,6 +35,8 @@ class StoreStats:
     prefetch_wait_seconds: float = 0.0  # prepare blocked on the I/O thread
     prefetched_rows: int = 0
     rows_evicted_ahead: int = 0         # of cache_to_ram: demoted on the I/O thread during a step
+    rows_uploaded_ahead: int = 0        # RAM, spill and LMDB rows prepare installed from device
+                                        # copies the I/O thread made during a step (a GPU)
     lmdb_read_rows: int = 0
     lmdb_read_seconds: float = 0.0
     lmdb_written_rows: int = 0          # rows put or deleted, undo entries not counted

@@ -44,7 +44,11 @@ On a GPU the I/O thread's device work runs on a stream of its own
 step's kernels instead of after them. That is safe because the step in flight
 reads and writes only its own slots (`_busy`), which the I/O thread never
 evicts: the two streams touch disjoint rows of the cache's tensors, and only
-the I/O thread changes the index between two `prepare` calls.
+the I/O thread changes the index between two `prepare` calls. The prefetch
+also uploads the staged RAM, spill and LMDB rows to the device from pinned
+memory on that stream, and new rows are made on the device, so `prepare`
+installs rows that are already there (without a TTL; with one it filters the
+staged rows first and copies what is left).
 """
 from __future__ import annotations
 
@@ -107,6 +111,10 @@ class Staged:
     batch_keys: torch.Tensor    # the batch's sorted unique keys, as `prefetch` got them
     cache_slots: torch.Tensor   # their cache slots then (-1: not resident): still valid
                                 # at the next `prepare`, the only thing that changes them
+    # On a GPU, `host.packed` and `rows` already on the device, copied from pinned memory
+    # on the I/O stream while the step trained (None on the CPU).
+    host_on_device: torch.Tensor | None = None
+    rows_on_device: torch.Tensor | None = None
 
 
 class TieredEmbeddingStore(TieredReads, EmbeddingStore):
@@ -140,6 +148,9 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         # them, so an eviction ahead (`_evict_ahead`) never takes one.
         self._busy: torch.Tensor | None = None
         self.evict_ahead = resolve_evict_ahead(store.evict_ahead, self.device)
+        # A GPU's prefetch uploads the staged rows and `prepare` installs them from the
+        # device (tests turn it on on the CPU, where the upload is a copy: the same order).
+        self.upload_staged = self.device.type == "cuda"
         self._started = False
         self._sweep_from = 0
         self._disk_rows = self.disk.entries() if self.disk else 0
@@ -200,8 +211,11 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         n_miss = miss.numel()
         fresh = ~dead[miss_idx].cpu()                 # missed the cache (not expired there)
 
+        on_device = None          # the staged rows already on the device (a GPU, no TTL)
         if staged is not None and staged.keys is not None and torch.equal(staged.keys, miss):
             in_ram, from_ram = self._take_staged(staged)
+            if staged.host_on_device is not None:
+                on_device = staged
         else:                                         # no look-ahead, or TTL removed cache rows
             in_ram, from_ram = self._take_host(miss)  # an expired cache row is not in RAM
         self.counters.lookup("ram", len(from_ram), n_miss - len(from_ram) - int((~fresh).sum()))
@@ -249,6 +263,8 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         parts = [from_ram, Rows(torch.from_numpy(disk_keys), torch.from_numpy(disk_rows),
                                 torch.zeros(len(disk_keys), dtype=torch.bool)),
                  self._new_rows(new_keys[admit], dirty=True, write_gen=write_gen[admit])]
+        if self.upload_staged:
+            parts = self._packed_on_device(parts, on_device)
         order = torch.cat([torch.nonzero(ram_live).view(-1), disk_pos,
                            new_pos[admit], new_pos[~admit]]).to(self.device)
         alloc = self.cache.take_free(n_miss)
@@ -399,8 +415,18 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         found, rows = self._unwritten_over(disk_keys, *self.disk.get(disk_keys))
         self._staged = Staged(cand, ram_slots, spill_slots, host, disk_keys, found, rows, keys,
                               self.io.hand_over(cache_slots))
+        if self.upload_staged and not self._ttl:     # (with a TTL prepare filters them)
+            self._staged.host_on_device = self._upload(host.packed)
+            self._staged.rows_on_device = self._upload(torch.from_numpy(rows))
         self.counters.add(prefetched_rows=len(disk_keys), lmdb_read_rows=len(disk_keys),
                           lmdb_read_seconds=time.perf_counter() - t0)
+
+    def _upload(self, packed: torch.Tensor) -> torch.Tensor:
+        """On the I/O thread: `packed` rows on the device, through pinned memory, on the I/O
+        stream (its copy runs beside the step's kernels)."""
+        if self.device.type != "cuda":
+            return packed.clone()
+        return self.io.hand_over(packed.pin_memory().to(self.device, non_blocking=True))
 
     @profiled("store.io.evict_ahead")
     def _evict_ahead(self, n_miss: int, hits: torch.Tensor, busy: torch.Tensor | None) -> None:
@@ -512,8 +538,24 @@ class TieredEmbeddingStore(TieredReads, EmbeddingStore):
         meta = new_meta(n, self.clock, self.newest_event_ms, self.device)
         if write_gen is not None:
             meta[:, WRITE_GEN] = write_gen.to(self.device)
-        return Rows(keys, self.layout.pack(w, zeros, zeros.clone(), meta).cpu(),
+        # (on a GPU the packed rows stay there: `prepare` installs them from there)
+        packed = self.layout.pack(w, zeros, zeros.clone(), meta)
+        return Rows(keys, packed if self.device.type == "cuda" else packed.cpu(),
                     torch.full((n,), dirty, dtype=torch.bool))
+
+    def _packed_on_device(self, parts: list[Rows], staged: Staged | None) -> list[Rows]:
+        """`prepare`'s RAM, disk and new rows with their packed rows on the GPU (keys and
+        dirty flags stay on the host): the RAM and disk rows as the I/O thread uploaded them
+        when `staged` holds them (without a TTL they are exactly the staged rows, in order),
+        else copied now."""
+        from_ram, disk, new = parts
+        if staged is not None:
+            host, rows = staged.host_on_device, staged.rows_on_device
+            self.counters.add(rows_uploaded_ahead=len(host) + len(rows))
+        else:
+            host, rows = from_ram.packed.to(self.device), disk.packed.to(self.device)
+        return [Rows(from_ram.keys, host, from_ram.dirty), Rows(disk.keys, rows, disk.dirty),
+                Rows(new.keys, new.packed.to(self.device), new.dirty)]
 
     @profiled("store.make_room")
     def _make_room(self, n: int, protect: torch.Tensor) -> Rows:

@@ -11,25 +11,31 @@ from tests.stream_ctr.store.helpers import (LAYOUT, assert_same_rows, criteo_bat
                                             small_config, sorted_memory_rows)
 
 
-def run_steps(cfg, batches, lookahead):
+def run_steps(cfg, batches, lookahead, upload_staged=None):
     configure_torch(cfg)
     trainer = Trainer(cfg, batches[0].n_fields, batches[0].n_dense)
+    if upload_staged is not None:
+        trainer.store.upload_staged = upload_staged
     events = ready_events(iter(batches), LookAhead() if lookahead else None)
     probs = [trainer.train_step(e.batch, e.upcoming).probs for e in events]
     return trainer, torch.cat(probs)
 
 
-@pytest.mark.parametrize("spill_rows,evict_ahead", [(1500, "on"), (0, "on"), (1500, "off")])
-def test_tiny_tiers_train_bit_identical_to_one_table(tmp_path, spill_rows, evict_ahead):
+@pytest.mark.parametrize("spill_rows,evict_ahead,upload", [
+    (1500, "on", False), (0, "on", False), (1500, "off", False), (1500, "on", True)])
+def test_tiny_tiers_train_bit_identical_to_one_table(tmp_path, spill_rows, evict_ahead, upload):
     batches = criteo_batches(60, tmp=tmp_path)
     mem, mem_probs = run_steps(small_config(tmp_path / "mem", tiered=False), batches, False)
     # Device cache of 2 worst-case working sets, 3000 rows of RAM, a spill of 1500 rows
     # (or none), the rest in LMDB; the cache's room made on the I/O thread or in prepare.
+    # `upload`: the staged rows copied during the step and installed from the copies, as
+    # on a GPU (here the copy stays on the CPU; the order of the rows is what is tested).
     cfg = small_config(tmp_path / "tier", tiered=True, spill_bytes=spill_rows * LAYOUT.row_bytes,
                        evict_ahead=evict_ahead)
-    tier, tier_probs = run_steps(cfg, batches, True)
+    tier, tier_probs = run_steps(cfg, batches, True, upload_staged=upload)
     store = tier.store
     stats = store.stats()
+    assert (stats["rows_uploaded_ahead"] > 5000) == upload
     # The tiers were really used: rows went down to disk and came back up.
     assert stats["evictions"]["ram_to_disk"] > 5000 and stats["rows_written_back"] > 5000
     assert stats["lookups"]["disk"]["hit"] > 1000 and stats["lookups"]["ram"]["hit"] > 500
@@ -74,6 +80,7 @@ def test_tiny_tiers_on_cuda_train_as_one_table(tmp_path):
     assert store.io.stream is not None
     stats = store.stats()
     assert stats["rows_evicted_ahead"] > 1000 and stats["lookups"]["disk"]["hit"] > 1000
+    assert stats["rows_uploaded_ahead"] > 1000
     assert torch.allclose(mem_probs.cpu(), tier_probs.cpu(), rtol=1e-4, atol=1e-6)
     keys, packed = store.export()
     w, m, v, _ = store.layout.unpack(torch.from_numpy(packed))
