@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.threads import usable_cores
@@ -40,14 +40,18 @@ class ReadAhead:
 
     `decode_threads` > 1 needs a source with ``read_raw()`` and ``decode_raw(raw)``
     (`FileSource`, a rank's `StripedSource`); others are read on the one thread.
+    `finish`, if given, maps each decoded chunk on the thread that decoded it (a GPU
+    trainer's copy into pinned memory): its time is the pool's, not the trainer's.
     """
 
-    def __init__(self, source: Any, depth: int = 2, decode_threads: int = 1) -> None:
+    def __init__(self, source: Any, depth: int = 2, decode_threads: int = 1,
+                 finish: Callable[[Batch], Batch] | None = None) -> None:
         if depth < 1 or decode_threads < 1:
             raise ValueError(f"ReadAhead needs depth >= 1 and decode_threads >= 1, "
                              f"got {depth} and {decode_threads}")
         self.source = source
         self.partition = getattr(source, "partition", "")
+        self._finish = finish
         self._pool = None
         if decode_threads > 1 and hasattr(source, "read_raw") and hasattr(source, "decode_raw"):
             self._pool = ThreadPoolExecutor(decode_threads, thread_name_prefix="stream-ctr-decode")
@@ -61,15 +65,22 @@ class ReadAhead:
         try:
             while not self._closing.is_set() and not self.source.exhausted:
                 if self._pool is not None:    # read in order here, decode on the pool
-                    item = self._pool.submit(self.source.decode_raw, self.source.read_raw())
+                    item = self._pool.submit(self._decode, self.source.read_raw())
                 else:
-                    item = self.source.read()
+                    item = self._finished(self.source.read())
                 if not self._put(item):
                     return
         except BaseException as exc:       # handed to the consumer, raised on its thread
             self._put(exc)
             return
         self._put(_END)
+
+    def _decode(self, raw: Any) -> tuple[Batch, list]:
+        return self._finished(self.source.decode_raw(raw))
+
+    def _finished(self, decoded: tuple[Batch, list]) -> tuple[Batch, list]:
+        batch, rejected = decoded
+        return (batch if self._finish is None or not len(batch) else self._finish(batch)), rejected
 
     def _put(self, item: object) -> bool:
         """Queue `item`, waiting for room unless `close()` is called (then False)."""

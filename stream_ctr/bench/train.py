@@ -47,6 +47,7 @@ from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.files import FileSource, detect_format
 from stream_ctr.connectors.read_ahead import ReadAhead, decode_threads
 from stream_ctr.train.batcher import MicroBatcher
+from stream_ctr.train.inputs import pin_on_gpu
 from stream_ctr.config import Config
 
 
@@ -256,7 +257,7 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
     src = FileSource(p, fmt, chunk_records=max(65536, batch_size))
     threads_decoding = decode_threads(cfg.data.decode_threads)
     if cfg.data.read_ahead_chunks:         # decoded on threads while the steps run, as in train
-        src = ReadAhead(src, cfg.data.read_ahead_chunks, threads_decoding)
+        src = ReadAhead(src, cfg.data.read_ahead_chunks, threads_decoding, finish=pin_on_gpu(cfg))
     def read() -> Iterator[Batch]:
         while not src.exhausted:
             yield from batcher.add(src.read()[0])

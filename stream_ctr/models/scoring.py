@@ -15,6 +15,7 @@ fp32.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 from pathlib import Path
 from typing import Callable
@@ -69,7 +70,25 @@ def host_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(a)
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    if not t.is_pinned():           # (a decoding thread may have pinned it: `pinned`)
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def pinned(batch: Batch) -> Batch:
+    """`batch` with its labels, dense features, keys and weights copied into pinned host
+    memory, for `host_to_device` to copy to a GPU without a copy of its own. A decoding
+    thread calls it (`ReadAhead`'s `finish`), so the training thread's share of moving a
+    batch to the GPU is launching the copies; slices of the batch stay pinned. The
+    memory is torch's caching host allocator's, reused once the arrays are dropped."""
+    def pin(a: np.ndarray | None) -> np.ndarray | None:
+        if a is None:
+            return None
+        out = torch.empty(a.shape, dtype=torch.from_numpy(a[:0]).dtype, pin_memory=True).numpy()
+        np.copyto(out, a)
+        return out
+    return dataclasses.replace(batch, labels=pin(batch.labels), dense=pin(batch.dense),
+                               keys=pin(batch.keys), weight=pin(batch.weight))
 
 
 def working_set(batch: Batch, field_rows: FieldRows | None,

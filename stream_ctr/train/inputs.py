@@ -101,6 +101,15 @@ class StripedSource:
         self.inner.close()
 
 
+def pin_on_gpu(cfg: Config) -> Callable[[Batch], Batch] | None:
+    """For a run on a GPU, what its decoding threads apply to each chunk: a copy into
+    pinned memory (`models.scoring.pinned`), which the step copies to the device without
+    a copy of its own on the training thread. None on the CPU."""
+    from stream_ctr.models.scoring import pinned
+    from stream_ctr.train.trainer import resolve_device
+    return pinned if resolve_device(cfg.train.device).type == "cuda" else None
+
+
 def ready_events(items: Iterator[Batch | Idle | Revoked], look_ahead: LookAhead | None) -> Iterator[Event]:
     """`Ready` events of the batches among `items` (other events passed on); with
     `look_ahead`, each batch is handed out once the one after it is read, and names it."""
@@ -191,7 +200,8 @@ class FileInput:
             source = StripedSource(source, rank, world)
         if d.read_ahead_chunks:
             source = ReadAhead(source, d.read_ahead_chunks,
-                               decode_threads(d.decode_threads, self.processes_per_host))
+                               decode_threads(d.decode_threads, self.processes_per_host),
+                               finish=pin_on_gpu(self.cfg))
         self.source = source
         try:
             batches = micro_batches(source, d.batch_size, dead_letter, limit_records, monitor)

@@ -66,6 +66,28 @@ def test_several_decoding_threads_hand_out_the_same_chunks_in_file_order(fmt_nam
         assert np.array_equal(o1, o2) and np.array_equal(k1, k2) and r1 == r2
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_finish_maps_each_chunk_on_the_thread_that_decoded_it(threads):
+    # (a GPU trainer's copy into pinned memory; here a copy that notes its thread)
+    import dataclasses
+    fmt, path = detect_format("criteo:sample")
+    with FileSource(path, fmt, chunk_records=700) as plain:
+        expected = chunks(plain)
+    seen = []
+
+    def finish(batch):
+        seen.append(threading.current_thread().name)
+        return dataclasses.replace(batch, keys=batch.keys.copy())
+    with ReadAhead(FileSource(path, fmt, chunk_records=700), 2, decode_threads=threads,
+                   finish=finish) as ahead:
+        got = [c for c in chunks(ahead) if len(c[0])]
+    assert len(got) == len(expected) == len(seen) > 10
+    for (o1, k1, r1), (o2, k2, r2) in zip(got, expected):
+        assert np.array_equal(o1, o2) and np.array_equal(k1, k2) and r1 == r2
+    prefix = "stream-ctr-decode" if threads > 1 else "stream-ctr-read-ahead"
+    assert all(name.startswith(prefix) for name in seen)
+
+
 def test_a_decode_error_surfaces_in_file_order_after_the_chunks_before_it(monkeypatch):
     fmt, path = detect_format("criteo:sample")
     decode = FileSource.decode_raw

@@ -104,3 +104,20 @@ def test_host_arrays_reach_the_device_unchanged(device):
         assert torch.equal(out.cpu(), expected)
     else:
         assert out.data_ptr() == src.ctypes.data
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_a_pinned_batch_holds_the_same_rows_and_reaches_the_gpu_unchanged():
+    # What a GPU run's decoding threads hand the trainer: its arrays in pinned memory,
+    # slices of it too, copied to the device without another host copy.
+    from stream_ctr.models.scoring import host_to_device, pinned
+    from tests.stream_ctr.store.helpers import criteo_batches
+    batch = criteo_batches(1)[0]
+    p = pinned(batch)
+    for name in ("labels", "dense", "keys", "event_time_ms", "offset"):
+        assert np.array_equal(getattr(p, name), getattr(batch, name))
+    half = p.slice(0, len(p) // 2)
+    for a in (p.keys, p.dense, p.labels, half.keys):
+        assert torch.from_numpy(a).is_pinned()
+    cuda = torch.device("cuda")
+    assert torch.equal(host_to_device(half.keys, cuda).cpu(), torch.from_numpy(batch.keys[:len(half)]))
