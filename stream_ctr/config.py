@@ -39,7 +39,8 @@ class DataConfig:
     # steps (the decoder releases the GIL); 0 = decode on the training thread.
     read_ahead_chunks: int = 2
     # Threads decoding those chunks at once (handed out in file order); 0 = auto, one
-    # per 4 cores (1 on a 2-core machine, 4 on a 16-core GPU host).
+    # per 4 cores (1 on a 2-core machine, 4 on 16 cores), one per 2 when training on a
+    # GPU, whose step leaves the cores to decoding (8 on a 16-core GPU host).
     decode_threads: int = 0
     dead_letter_path: str = ""      # default: RUN_DIR/dead_letter.jsonl
     # Bytes of a rejected record kept in its dead-letter entry (file or topic); a longer
@@ -542,7 +543,7 @@ def validate(cfg: Config) -> Config:
         (t.keep_checkpoints >= 1, f"train.keep_checkpoints must be >= 1, got {t.keep_checkpoints}"),
         (t.eval_window_records >= 1, "train.eval_window_records must be >= 1"),
         (cfg.data.read_ahead_chunks >= 0, "data.read_ahead_chunks must be >= 0 (0: no read-ahead)"),
-        (cfg.data.decode_threads >= 0, "data.decode_threads must be >= 0 (0: one per 4 cores)"),
+        (cfg.data.decode_threads >= 0, "data.decode_threads must be >= 0 (0: one per 4 cores, per 2 on a GPU)"),
         (t.compile_mode in COMPILE_MODES,
          f"train.compile_mode must be one of {', '.join(COMPILE_MODES)}, got {t.compile_mode!r}"),
         (t.precision in ("auto", "fp32", "bf16"),

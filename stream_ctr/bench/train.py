@@ -255,9 +255,10 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
     fmt, p = detect_format(source, schema)
     batcher = MicroBatcher(batch_size)
     src = FileSource(p, fmt, chunk_records=max(65536, batch_size))
-    threads_decoding = decode_threads(cfg.data.decode_threads)
+    pin = pin_on_gpu(cfg)
+    threads_decoding = decode_threads(cfg.data.decode_threads, gpu=pin is not None)
     if cfg.data.read_ahead_chunks:         # decoded on threads while the steps run, as in train
-        src = ReadAhead(src, cfg.data.read_ahead_chunks, threads_decoding, finish=pin_on_gpu(cfg))
+        src = ReadAhead(src, cfg.data.read_ahead_chunks, threads_decoding, finish=pin)
     def read() -> Iterator[Batch]:
         while not src.exhausted:
             yield from batcher.add(src.read()[0])

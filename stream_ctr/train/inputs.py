@@ -199,9 +199,10 @@ class FileInput:
         if world > 1:
             source = StripedSource(source, rank, world)
         if d.read_ahead_chunks:
+            pin = pin_on_gpu(self.cfg)
             source = ReadAhead(source, d.read_ahead_chunks,
-                               decode_threads(d.decode_threads, self.processes_per_host),
-                               finish=pin_on_gpu(self.cfg))
+                               decode_threads(d.decode_threads, self.processes_per_host, gpu=pin is not None),
+                               finish=pin)
         self.source = source
         try:
             batches = micro_batches(source, d.batch_size, dead_letter, limit_records, monitor)

@@ -152,3 +152,8 @@ def test_decode_threads_default_to_one_per_four_cores_of_the_process_share(monke
     assert got == {1: 1, 2: 1, 4: 1, 16: 4, 64: 8}
     assert read_ahead.decode_threads(0, processes_per_host=4) == 4      # 64 cores, 4 ranks
     assert read_ahead.decode_threads(3) == 3                             # as configured
+    # Training on a GPU leaves the cores to decoding: one per 2.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert read_ahead.decode_threads(0, gpu=True) == 8
+    assert read_ahead.decode_threads(0, processes_per_host=4, gpu=True) == 2
+    assert read_ahead.decode_threads(3, gpu=True) == 3
