@@ -79,6 +79,10 @@ def _kth_smallest(prio: torch.Tensor, eligible: torch.Tensor, n: int) -> torch.T
             bucket = torch.where(eligible, prio - lo, span)
             below = torch.bincount(bucket, minlength=span + 1).cumsum(0)
             return torch.searchsorted(below, n) + lo
+    if prio.device.type == "cuda":
+        # (kthvalue runs one thread block per slice: over a whole cache, one block of
+        # the GPU; a sort uses all of it)
+        return torch.sort(prio).values[n - 1]
     return torch.kthvalue(prio, n).values
 
 

@@ -35,6 +35,21 @@ def test_compiled_victim_selection_chooses_as_the_torch_ops(monkeypatch):
         assert torch.equal(got, select_victims(p, k, n))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_victims_on_a_gpu_are_the_cpus():
+    """On CUDA the threshold comes from a sort (kthvalue would run on one thread block):
+    the same victims as the CPU chooses, narrow and wide priority spans alike."""
+    inf = torch.iinfo(torch.int64).max
+    g = torch.Generator().manual_seed(11)
+    for n_rows, span, n in ((320_000, 50, 30_000), (5_000, 3, 2_000), (64, 1 << 40, 10), (50, 5, 80)):
+        prio = torch.randint(100, 100 + span, (n_rows,), generator=g)
+        prio[torch.randperm(n_rows, generator=g)[: n_rows // 10]] = inf
+        keys = torch.randperm(10 * n_rows, generator=g)[:n_rows]
+        want = select_victims(prio, keys, n)
+        got = select_victims(prio.cuda(), keys.cuda(), n).cpu()
+        assert torch.equal(torch.sort(got).values, torch.sort(want).values)
+
+
 def test_lfu_priority_orders_by_count_then_last_step():
     meta = torch.zeros(4, META_FIELDS, dtype=torch.int64)
     meta[:, 0] = torch.tensor([3, 1, 1, 2])          # count
