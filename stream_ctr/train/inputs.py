@@ -193,13 +193,16 @@ class FileInput:
                look_ahead: bool) -> Iterator[Event]:
         """One pass from the resume position; closes its reader when it ends or is closed."""
         d = self.cfg.data
-        source = FileSource(self.path, self.fmt, start_offset=self._line, chunk_records=d.chunk_records,
+        pin = pin_on_gpu(self.cfg) if d.read_ahead_chunks else None
+        chunk = d.chunk_records
+        if pin is not None:     # whole batches a chunk: a batch is a slice of one pinned chunk
+            chunk = -(-max(chunk, d.batch_size) // d.batch_size) * d.batch_size
+        source = FileSource(self.path, self.fmt, start_offset=self._line, chunk_records=chunk,
                             stop_offset=self.train_end)
         rank, world = self.stripe
         if world > 1:
             source = StripedSource(source, rank, world)
         if d.read_ahead_chunks:
-            pin = pin_on_gpu(self.cfg)
             source = ReadAhead(source, d.read_ahead_chunks,
                                decode_threads(d.decode_threads, self.processes_per_host, gpu=pin is not None),
                                finish=pin)
