@@ -170,22 +170,30 @@ class BrokerWatch:
         from kafka.errors import KafkaError
         if now < self._next_probe:
             return False
-        if not partitions:                  # nothing to ask about (no assignment yet)
+        if not partitions:                  # nothing to ask about (no assignment yet, or lost)
             self._next_probe = now + PROBE_EVERY_S
+            # confluent-kafka's client says when every broker connection is down: a group
+            # that lost its partitions to an outage must not hide the outage.
+            if getattr(consumer, "brokers_down", False):
+                self._outage_started("all broker connections down", now)
             return False
         try:
             consumer.beginning_offsets([topic_partition(n) for n in partitions],
                                        timeout_ms=PROBE_TIMEOUT_MS)
         except KafkaError as e:
-            if self.outage_since is None:
-                self.outage_since = now
-                self._stats.outages += 1
-                self._stats.connected = False
-                log.warning("kafka: broker %s unreachable (%s); training waits, retrying with "
-                            "backoff up to %.0f s", self._where, type(e).__name__, self._max_backoff_s)
-            else:
-                log.info("kafka: broker still unreachable after %.0f s", now - self.outage_since)
+            self._outage_started(type(e).__name__, now)
             self._backoff_s = min(self._backoff_s * 2, self._max_backoff_s)
             self._next_probe = time.monotonic() + self._backoff_s
             return False
         return self.records_arrived(time.monotonic())
+
+    def _outage_started(self, why: str, now: float) -> None:
+        """The broker did not answer: the outage starts now (said once), or goes on."""
+        if self.outage_since is None:
+            self.outage_since = now
+            self._stats.outages += 1
+            self._stats.connected = False
+            log.warning("kafka: broker %s unreachable (%s); training waits, retrying with "
+                        "backoff up to %.0f s", self._where, why, self._max_backoff_s)
+        else:
+            log.info("kafka: broker still unreachable after %.0f s", now - self.outage_since)

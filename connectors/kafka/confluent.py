@@ -126,6 +126,10 @@ class ConfluentConsumer:
         from confluent_kafka import Consumer
         self._timeout_s = url.options.connect_timeout_s
         self._fatal = None                  # a fatal librdkafka error, raised by the next poll
+        # Set when librdkafka reports every broker connection down, cleared when the group
+        # assigns partitions or records come: with no partition to probe, the only sign of
+        # an outage (`brokers_down`).
+        self._down = False
         self._lock = threading.Lock()       # error_cb runs on librdkafka's threads
         config = librdkafka_config(url)
         config["error_cb"] = self._on_error
@@ -135,11 +139,20 @@ class ConfluentConsumer:
 
     # -- errors librdkafka reports asynchronously ---------------------------
     def _on_error(self, err) -> None:
+        from confluent_kafka import KafkaError
         if err.name() in _FATAL_AUTH or err.fatal():
             with self._lock:
                 self._fatal = err
         else:   # transport errors during an outage: BrokerWatch logs the outage once
+            if err.code() == KafkaError._ALL_BROKERS_DOWN:
+                self._down = True
             log.debug("kafka (librdkafka): %s", err.str())
+
+    @property
+    def brokers_down(self) -> bool:
+        """librdkafka has lost every broker connection since the last assignment or record
+        (what `BrokerWatch` asks when the consumer owns no partition it could probe)."""
+        return self._down
 
     def _raise_fatal(self) -> None:
         with self._lock:
@@ -179,6 +192,7 @@ class ConfluentConsumer:
                                  on_lost=self._lost)
 
     def _assigned(self, consumer, partitions) -> None:
+        self._down = False
         consumer.assign(partitions)
         if partitions:
             consumer.pause(partitions)      # the source positions them before anything is fetched
@@ -242,6 +256,8 @@ class ConfluentConsumer:
                 continue
             tp = (m.topic(), m.partition())
             out.setdefault(tp, []).append(Record(m.offset(), m.value(), m.timestamp()[1]))
+        if out:
+            self._down = False
         from kafka import TopicPartition
         return {TopicPartition(t, p): records for (t, p), records in out.items()}
 

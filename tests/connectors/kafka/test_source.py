@@ -296,3 +296,29 @@ def test_an_unexpected_poll_error_is_raised_and_close_still_leaves_the_group(kaf
     assert source._consumer is None
     assert "the last poll failed while closing: RuntimeError" in caplog.text
     assert closed == [{"autocommit": False}]            # the consumer left the group
+
+
+def test_an_outage_with_no_partition_to_probe_is_said_when_every_broker_is_down(caplog):
+    """A group that lost its partitions in an outage (a restarted broker that forgot the
+    group) has no partition to probe: confluent-kafka's client, which says when every
+    broker connection is down, makes the watch say the outage all the same."""
+    pytest.importorskip("confluent_kafka")
+    import logging
+    from stream_ctr.connectors.kafka.client import BrokerWatch
+    from stream_ctr.connectors.kafka.confluent import ConfluentConsumer
+    from stream_ctr.connectors.kafka.source import KafkaStats
+    url = parse_kafka_url("kafka://127.0.0.1:9/t?group=g", kafka_test_options(connect_timeout_s=1))
+    consumer = ConfluentConsumer(url)                  # nothing listens on port 9
+    try:
+        deadline = time.monotonic() + 30
+        while not consumer.brokers_down and time.monotonic() < deadline:
+            consumer.poll(timeout_ms=200)              # serves librdkafka's error callbacks
+        assert consumer.brokers_down
+        stats = KafkaStats()
+        watch = BrokerWatch(url, stats)
+        with caplog.at_level(logging.WARNING):
+            watch.nothing_arrived(consumer, [], time.monotonic() + 60)
+        assert watch.in_outage and stats.outages == 1 and not stats.connected
+        assert "broker 127.0.0.1:9 unreachable (all broker connections down)" in caplog.text
+    finally:
+        consumer.close()
