@@ -45,9 +45,8 @@ import torch
 from stream_ctr.bench.data import bench_source, decoded_batches
 from stream_ctr.connectors.batch import Batch
 from stream_ctr.connectors.files import FileSource, detect_format
-from stream_ctr.connectors.read_ahead import ReadAhead, decode_threads
 from stream_ctr.train.batcher import MicroBatcher
-from stream_ctr.train.inputs import pin_on_gpu
+from stream_ctr.train.inputs import decoded_ahead
 from stream_ctr.config import Config
 
 
@@ -255,10 +254,7 @@ def _worker(source: str, schema: str, model: str, batch_size: int, threads: int,
     fmt, p = detect_format(source, schema)
     batcher = MicroBatcher(batch_size)
     src = FileSource(p, fmt, chunk_records=max(65536, batch_size))
-    pin = pin_on_gpu(cfg)
-    threads_decoding = decode_threads(cfg.data.decode_threads, gpu=pin is not None)
-    if cfg.data.read_ahead_chunks:         # decoded on threads while the steps run, as in train
-        src = ReadAhead(src, cfg.data.read_ahead_chunks, threads_decoding, finish=pin)
+    src, threads_decoding = decoded_ahead(src, cfg)  # decoded while the steps run, as in train
     def read() -> Iterator[Batch]:
         while not src.exhausted:
             yield from batcher.add(src.read()[0])

@@ -110,6 +110,18 @@ def pin_on_gpu(cfg: Config) -> Callable[[Batch], Batch] | None:
     return pinned if resolve_device(cfg.train.device).type == "cuda" else None
 
 
+def decoded_ahead(source, cfg: Config, processes_per_host: int = 1) -> tuple[object, int]:
+    """`source` decoded ahead as `train` reads a file (`data.read_ahead_chunks`; on a GPU
+    into pinned memory, on more threads), and its decoding threads; `source` itself and
+    0 without read-ahead."""
+    d = cfg.data
+    if not d.read_ahead_chunks:
+        return source, 0
+    pin = pin_on_gpu(cfg)
+    threads = decode_threads(d.decode_threads, processes_per_host, gpu=pin is not None)
+    return ReadAhead(source, d.read_ahead_chunks, threads, finish=pin), threads
+
+
 def ready_events(items: Iterator[Batch | Idle | Revoked], look_ahead: LookAhead | None) -> Iterator[Event]:
     """`Ready` events of the batches among `items` (other events passed on); with
     `look_ahead`, each batch is handed out once the one after it is read, and names it."""
@@ -193,19 +205,16 @@ class FileInput:
                look_ahead: bool) -> Iterator[Event]:
         """One pass from the resume position; closes its reader when it ends or is closed."""
         d = self.cfg.data
-        pin = pin_on_gpu(self.cfg) if d.read_ahead_chunks else None
         chunk = d.chunk_records
-        if pin is not None:     # whole batches a chunk: a batch is a slice of one pinned chunk
+        if d.read_ahead_chunks and pin_on_gpu(self.cfg) is not None:
+            # whole batches a chunk: a batch is a slice of one pinned chunk
             chunk = -(-max(chunk, d.batch_size) // d.batch_size) * d.batch_size
         source = FileSource(self.path, self.fmt, start_offset=self._line, chunk_records=chunk,
                             stop_offset=self.train_end)
         rank, world = self.stripe
         if world > 1:
             source = StripedSource(source, rank, world)
-        if d.read_ahead_chunks:
-            source = ReadAhead(source, d.read_ahead_chunks,
-                               decode_threads(d.decode_threads, self.processes_per_host, gpu=pin is not None),
-                               finish=pin)
+        source, _ = decoded_ahead(source, self.cfg, self.processes_per_host)
         self.source = source
         try:
             batches = micro_batches(source, d.batch_size, dead_letter, limit_records, monitor)
