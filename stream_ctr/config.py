@@ -123,8 +123,8 @@ class OptimConfig:
     # per step, each step under the rule for that smaller batch); then every batch is one
     # step. Interactions between ids start from a saddle (two near-zero vectors whose
     # product has near-zero gradient): escaping it takes steps, not samples, and a pass of
-    # 55 steps at 128K never did (docs/large-batches.md). 0 = no ramp. A distributed job
-    # does not ramp: its ranks would have to agree on every sub-step.
+    # 55 steps at 128K never did (docs/large-batches.md). 0 = no ramp. In a distributed
+    # job each rank splits its own batch, the ramp counting the job's steps.
     ramp_samples: int = 1_048_576
     ramp_scale: float = 8.0
     # The output bias starts at the log-odds of the first batch's click rate, so the

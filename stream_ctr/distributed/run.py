@@ -23,6 +23,7 @@ with --resume continues from the last complete job manifest.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import sys
@@ -99,19 +100,16 @@ class Job:
             w, r = ctx.world_size, ctx.rank
             run.remaining = cfg.data.limit_records // w + (r < cfg.data.limit_records % w)
         self.store = ShardedEmbeddingStore(run.trainer.store, run.trainer.optim)
-        if run.trainer.ramp is not None:
-            # Every sub-step would be an exchange of rows all ranks must join, and a rank
-            # with a short or no batch would take fewer: a job trains each batch in one step.
-            run.trainer.ramp = None
-            run.trainer.optim = dataclasses.replace(run.trainer.optim, ramp_batch=0, ramp_steps=0)
-            if ctx.is_main:
-                print("stream-ctr: optim.ramp_samples is off in a distributed job (each batch is "
-                      "one step); docs/large-batches.md", file=sys.stderr)
         run.trainer.store = self.store
         self.merger = self._merger()
         run.summary = DistributedSummary(dead_letter_path=run.summary.dead_letter_path, world_size=ctx.world_size)
         self.checkpoint_wanted = False    # a Kafka rebalance asks for a job checkpoint
         self._events = None               # the input's events of the current pass
+        # During the rule's ramp a batch trains as several steps (`Trainer.ramp_pieces`):
+        # each is a lockstep step of its own, so a rank with fewer pieces takes idle
+        # steps while the others finish theirs, and a checkpoint between two pieces
+        # records what was trained (the input's positions after the last trained row).
+        self._pieces: collections.deque[Batch] = collections.deque()
         self._done = False
         # --publish: when this rank read its newest trained batch (wall s) and its newest
         # event time (ms, -1: none), since the last job checkpoint.
@@ -147,6 +145,8 @@ class Job:
         for this one in the next collective, and a group rebalance needs every rank to
         keep polling)."""
         run = self.run
+        if self._pieces:
+            return self._pieces.popleft()
         while not self._done:
             if self._events is None:
                 if not run.wants_more:
@@ -165,7 +165,8 @@ class Job:
                 batch = run.input.owned(event.batch)
                 if len(batch):
                     self._read_at_s = event.read_at_s     # its freshness stamp, should it train
-                    return batch
+                    self._pieces.extend(batch.slice(a, b) for a, b in run.trainer.ramp_pieces(len(batch)))
+                    return self._pieces.popleft()
         return None
 
     def keep_polling(self) -> None:

@@ -111,7 +111,7 @@ class Trainer:
         # The settings this batch size trains with (scaling rule applied); every
         # update reads these, never cfg.optim.
         self.optim = o = resolve_optim(cfg)
-        # The ramp's sub-step settings (None: no ramp; a distributed job turns it off).
+        # The ramp's sub-step settings (None: no ramp).
         self.ramp: ResolvedOptim | None = ramp_optim(cfg, o)
         self.dense_opt = torch.optim.Adam(self.model.parameters(), lr=o.lr_dense,
                                           betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
@@ -279,20 +279,29 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    def ramp_pieces(self, rows: int, steps_before: int = 0) -> list[tuple[int, int]]:
+        """How a batch of `rows` splits into steps when `steps_before` steps come before its
+        first: ramp_batch rows each while the ramp lasts, the rest in one step; one piece
+        without a ramp or after it. A distributed job splits its batches with this too."""
+        ramp, step = self.ramp, self.step + steps_before
+        if ramp is None or step >= ramp.ramp_steps or rows <= ramp.batch_size:
+            return [(0, rows)]
+        pieces, start = [], 0
+        while start < rows:
+            stop = rows if step >= ramp.ramp_steps else min(start + ramp.batch_size, rows)
+            pieces.append((start, stop))
+            start, step = stop, step + 1
+        return pieces
+
     def train_step(self, batch: Batch, upcoming: Batch | None = None) -> StepResult:
         """Train `batch`: one step, or while the ramp lasts (optim.ramp_samples) one step
-        per ramp_batch rows, in order. `upcoming` (the next batch, if known) is
-        prefetched meanwhile."""
-        ramp = self.ramp
-        if ramp is None or self.step >= ramp.ramp_steps or len(batch) <= ramp.batch_size:
+        per ramp_batch rows, in order (`ramp_pieces`). `upcoming` (the next batch, if
+        known) is prefetched meanwhile."""
+        pieces = self.ramp_pieces(len(batch))
+        if len(pieces) == 1:
             return self._step(batch, upcoming)
-        parts, start = [], 0
-        while start < len(batch):
-            # The rest of the batch is one step once the ramp is over.
-            stop = len(batch) if self.step >= ramp.ramp_steps else min(start + ramp.batch_size, len(batch))
-            parts.append(self._step(batch.slice(start, stop), upcoming if stop == len(batch) else None))
-            start = stop
-        return StepResult.concat(parts)
+        return StepResult.concat([self._step(batch.slice(a, b), upcoming if b == len(batch) else None)
+                                  for a, b in pieces])
 
     def _step(self, batch: Batch, upcoming: Batch | None) -> StepResult:
         """One optimizer step on `batch`, with the settings of the step it is (`_step_optim`)."""

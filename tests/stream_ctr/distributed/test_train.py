@@ -113,6 +113,61 @@ def test_one_rank_job_equals_plain_training_exactly(tmp_path):
     assert equal(a["dense_opt"]["state"], b["dense_opt"]["state"])
 
 
+def ramp_config(run_dir, **data) -> dict:
+    """Batches of 128 at 16 x a base of 8: the rule's ramp trains the first 640 samples
+    of each rank in pieces of 64 rows (10 steps), then each batch is one step."""
+    cfg = job_config(run_dir, **data)
+    cfg["optim"].update(scale_from_batch=8, ramp_samples=640)
+    return cfg
+
+
+def test_a_one_rank_job_ramps_exactly_as_plain_training(tmp_path):
+    plain = ramp_config(tmp_path / "plain", limit_records=12 * 128)
+    job = ramp_config(tmp_path / "job", limit_records=12 * 128)
+    plain_ckpt, job_dir = values(run_ranks(plain_and_one_rank, 1, plain, job))[0]
+    a = load_checkpoint(plain_ckpt).tensors["trainer"]
+    b = rank_state(job_dir, 0)
+    assert a["step"] == b["step"] == 10 + 7          # 5 batches in 10 pieces, then 7 batches
+    assert equal(a["model"], b["model"])
+    assert equal(a["store"], b["store"])
+    assert equal(a["dense_opt"]["state"], b["dense_opt"]["state"])
+
+
+def test_a_job_killed_inside_the_ramp_resumes_exactly_once_and_bit_identical(tmp_path):
+    """Two ranks ramp together, each piece a lockstep step. Checkpoints every 3 steps fall
+    between the two pieces of a batch (steps 3 and 9), and rank 1 dies at step 8: the
+    resumed job trains the rest of the half-trained batch and ends bit for bit where the
+    job without a kill did."""
+    ref_cfg = ramp_config(tmp_path / "ref", limit_records=4096)
+    ref_cfg["train"]["checkpoint_every_batches"] = 3
+    ref = values(run_ranks(train_rank, 2, ref_cfg))
+    # 2,048 rows a rank: 5 batches in 10 pieces, then 11 batches of 128.
+    assert [len(r["offsets"]) for r in ref] == [2048, 2048]
+    assert ref[0]["summary"]["steps"] == 10 + 11
+    cfg = ramp_config(tmp_path / "run", limit_records=4096)
+    cfg["train"]["checkpoint_every_batches"] = 3
+    crashed = run_ranks(train_rank, 2, cfg, None, (1, 8))
+    assert crashed[1].exitcode == 17
+    manifest = json.loads((tmp_path / "run" / "checkpoints" / "job-00000002" / "job.json").read_text())
+    assert manifest["global_step"] == 6
+    third = json.loads((tmp_path / "run" / "checkpoints" / "job-00000001" / "job.json").read_text())
+    # Step 3 ended the first piece of rank r's second batch: 128 + 64 of its rows.
+    assert [e["positions"]["file:criteo_kaggle_sample_14493.tsv.gz"] for e in third["ranks"]] == [383, 384]
+    before = [np.arange(r, e["positions"]["file:criteo_kaggle_sample_14493.tsv.gz"], 2)
+              for r, e in enumerate(manifest["ranks"])]
+    # data.limit_records counts the records of one invocation: the rest of the 4,096.
+    cfg["data"]["limit_records"] = 4096 - sum(map(len, before))
+    resumed = values(run_ranks(train_rank, 2, cfg, str(tmp_path / "run")))
+    after = [np.asarray(r["offsets"]) for r in resumed]
+    assert np.array_equal(np.sort(np.concatenate(before + after)), np.arange(4096))
+    final, ref_final = resumed[0]["summary"]["checkpoint"], ref[0]["summary"]["checkpoint"]
+    for rank in range(2):
+        a, b = rank_state(final, rank), rank_state(ref_final, rank)
+        assert a["step"] == b["step"] == 21
+        assert equal(a["model"], b["model"]) and equal(a["store"], b["store"])
+        assert equal(a["dense_opt"]["state"], b["dense_opt"]["state"])
+
+
 def test_two_ranks_train_every_record_exactly_once(reference_job):
     run_dir, results = reference_job
     offsets = np.concatenate([r["offsets"] for r in results])
