@@ -136,6 +136,20 @@ def _confluent_consumer(url: KafkaUrl):
     return kafka_confluent.ConfluentConsumer(url)
 
 
+def every_connection_down(consumer) -> bool | None:
+    """Whether the consumer holds no live connection to any broker, or None if it cannot
+    tell: a question for a consumer with no partition to probe. A member of a group
+    keeps one to its coordinator (heartbeats) while the broker is there.
+    confluent-kafka's adapter says so from librdkafka's all-brokers-down event;
+    kafka-python from its connection table (an internal of kafka-python 3.0)."""
+    if hasattr(consumer, "brokers_down"):
+        return bool(consumer.brokers_down)
+    conns = getattr(getattr(getattr(consumer, "_client", None), "_manager", None), "_conns", None)
+    if not isinstance(conns, dict):
+        return None
+    return not any(getattr(c, "connected", False) for c in list(conns.values()))
+
+
 class BrokerWatch:
     """Outage bookkeeping: when reads come back empty, is the broker still there?"""
 
@@ -146,6 +160,7 @@ class BrokerWatch:
         self.outage_since: float | None = None
         self._next_probe = time.monotonic() + PROBE_EVERY_S
         self._backoff_s = 0.5
+        self._down_probes = 0          # probes in a row that found no broker connection
 
     @property
     def in_outage(self) -> bool:
@@ -172,9 +187,17 @@ class BrokerWatch:
             return False
         if not partitions:                  # nothing to ask about (no assignment yet, or lost)
             self._next_probe = now + PROBE_EVERY_S
-            # confluent-kafka's client says when every broker connection is down: a group
-            # that lost its partitions to an outage must not hide the outage.
-            if getattr(consumer, "brokers_down", False):
+            # A group that lost its partitions to an outage must not hide the outage: the
+            # client's connections say it instead of a probe, on two probes in a row (a
+            # client between two connections has none for a moment).
+            down = every_connection_down(consumer)
+            if down is None:
+                return False
+            if not down:
+                self._down_probes = 0
+                return self.records_arrived(now)       # connected again: an outage ends
+            self._down_probes += 1
+            if self._down_probes >= 2:
                 self._outage_started("all broker connections down", now)
             return False
         try:

@@ -12,7 +12,7 @@ from stream_ctr.connectors.kafka.source import KafkaSource
 from stream_ctr.connectors.kafka.options import parse_kafka_url
 from stream_ctr.connectors.kafka.positions import GIVEN_UP, ROWS_DONE, KafkaPositions
 from stream_ctr.connectors.kafka.sink import KafkaDeadLetter
-from tests.kafka_broker import kafka_test_options
+from tests.kafka_broker import KafkaHelper, kafka_test_options
 
 LINES = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:3000]
 # Every test runs with both consumer clients (the kafka_client fixture sets kafka.client).
@@ -298,27 +298,59 @@ def test_an_unexpected_poll_error_is_raised_and_close_still_leaves_the_group(kaf
     assert closed == [{"autocommit": False}]            # the consumer left the group
 
 
-def test_an_outage_with_no_partition_to_probe_is_said_when_every_broker_is_down(caplog):
+def test_an_outage_with_no_partition_to_probe_is_said_when_every_broker_is_down(fresh_broker, kafka_client,
+                                                                                caplog):
     """A group that lost its partitions in an outage (a restarted broker that forgot the
-    group) has no partition to probe: confluent-kafka's client, which says when every
-    broker connection is down, makes the watch say the outage all the same."""
-    pytest.importorskip("confluent_kafka")
+    group) has no partition to probe: the client's connections say the outage instead
+    (confluent-kafka: librdkafka's all-brokers-down event; kafka-python: no live
+    connection), on two probes in a row, and its end when the broker is back."""
+    import contextlib
     import logging
-    from stream_ctr.connectors.kafka.client import BrokerWatch
-    from stream_ctr.connectors.kafka.confluent import ConfluentConsumer
+    from kafka import ConsumerRebalanceListener
+    from kafka.errors import KafkaError
+    from stream_ctr.connectors.kafka.client import BrokerWatch, connect_consumer, every_connection_down
     from stream_ctr.connectors.kafka.source import KafkaStats
-    url = parse_kafka_url("kafka://127.0.0.1:9/t?group=g", kafka_test_options(connect_timeout_s=1))
-    consumer = ConfluentConsumer(url)                  # nothing listens on port 9
-    try:
+
+    class NoRebalanceWork(ConsumerRebalanceListener):      # (both clients await these)
+        async def on_partitions_revoked(self, revoked): pass               # noqa: E704
+
+        async def on_partitions_assigned(self, assigned): pass             # noqa: E704
+
+    def poll_until(down: bool) -> None:
         deadline = time.monotonic() + 30
-        while not consumer.brokers_down and time.monotonic() < deadline:
-            consumer.poll(timeout_ms=200)              # serves librdkafka's error callbacks
-        assert consumer.brokers_down
+        while every_connection_down(consumer) is not down and time.monotonic() < deadline:
+            with contextlib.suppress(KafkaError):
+                consumer.poll(timeout_ms=200)          # serves the client's callbacks
+        assert every_connection_down(consumer) is down
+
+    helper = KafkaHelper(fresh_broker.bootstrap)
+    topic = helper.topic()
+    url = parse_kafka_url(helper.url(topic, "g"), kafka_test_options())
+    consumer = connect_consumer(url)
+    try:
+        consumer.subscribe([topic], listener=NoRebalanceWork())
+        poll_until(down=False)
         stats = KafkaStats()
         watch = BrokerWatch(url, stats)
+        t = time.monotonic()
         with caplog.at_level(logging.WARNING):
-            watch.nothing_arrived(consumer, [], time.monotonic() + 60)
-        assert watch.in_outage and stats.outages == 1 and not stats.connected
-        assert "broker 127.0.0.1:9 unreachable (all broker connections down)" in caplog.text
+            watch.nothing_arrived(consumer, [], t + 10)
+            watch.nothing_arrived(consumer, [], t + 20)
+            assert not watch.in_outage and stats.outages == 0       # connected: no outage
+            fresh_broker.stop()
+            poll_until(down=True)
+            watch.nothing_arrived(consumer, [], t + 30)
+            assert not watch.in_outage                              # one probe is not enough
+            watch.nothing_arrived(consumer, [], t + 40)
+            assert watch.in_outage and stats.outages == 1 and not stats.connected
+            assert f"broker {fresh_broker.bootstrap} unreachable (all broker connections down)" in caplog.text
+            if kafka_client == "kafka-python":
+                # kafka-python's connections come back by themselves; librdkafka's event is
+                # cleared by an assignment or records, when a partition probe takes over.
+                fresh_broker.start()
+                poll_until(down=False)
+                assert watch.nothing_arrived(consumer, [], t + 50)  # connected again: it ended
+                assert not watch.in_outage and stats.connected and stats.outage_s == 10
+                assert "reachable again after 10.0 s" in caplog.text
     finally:
         consumer.close()
