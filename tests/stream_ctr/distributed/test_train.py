@@ -101,18 +101,6 @@ def reference_job(tmp_path_factory):
     return run_dir, results
 
 
-def test_one_rank_job_equals_plain_training_exactly(tmp_path):
-    plain = job_config(tmp_path / "plain", limit_records=12 * 128)
-    job = job_config(tmp_path / "job", limit_records=12 * 128)
-    plain_ckpt, job_dir = values(run_ranks(plain_and_one_rank, 1, plain, job))[0]
-    a = load_checkpoint(plain_ckpt).tensors["trainer"]
-    b = rank_state(job_dir, 0)
-    assert a["step"] == b["step"] == 12
-    assert equal(a["model"], b["model"])
-    assert equal(a["store"], b["store"])
-    assert equal(a["dense_opt"]["state"], b["dense_opt"]["state"])
-
-
 def ramp_config(run_dir, **data) -> dict:
     """Batches of 128 at 16 x a base of 8: the rule's ramp trains the first 640 samples
     of each rank in pieces of 64 rows (10 steps), then each batch is one step."""
@@ -121,13 +109,17 @@ def ramp_config(run_dir, **data) -> dict:
     return cfg
 
 
-def test_a_one_rank_job_ramps_exactly_as_plain_training(tmp_path):
-    plain = ramp_config(tmp_path / "plain", limit_records=12 * 128)
-    job = ramp_config(tmp_path / "job", limit_records=12 * 128)
+@pytest.mark.parametrize("ramp", [False, True], ids=["one-step-batches", "ramp"])
+def test_one_rank_job_equals_plain_training_exactly(tmp_path, ramp):
+    """With the ramp, 5 batches train in 10 pieces, then 7 batches: 17 steps, each piece a
+    step of the job."""
+    config = ramp_config if ramp else job_config
+    plain = config(tmp_path / "plain", limit_records=12 * 128)
+    job = config(tmp_path / "job", limit_records=12 * 128)
     plain_ckpt, job_dir = values(run_ranks(plain_and_one_rank, 1, plain, job))[0]
     a = load_checkpoint(plain_ckpt).tensors["trainer"]
     b = rank_state(job_dir, 0)
-    assert a["step"] == b["step"] == 10 + 7          # 5 batches in 10 pieces, then 7 batches
+    assert a["step"] == b["step"] == (10 + 7 if ramp else 12)
     assert equal(a["model"], b["model"])
     assert equal(a["store"], b["store"])
     assert equal(a["dense_opt"]["state"], b["dense_opt"]["state"])
