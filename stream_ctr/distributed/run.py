@@ -50,7 +50,7 @@ from stream_ctr.train.checkpoint import CheckpointError
 from stream_ctr.train.inputs import Idle, Revoked
 from stream_ctr.train.run_dir import RunDirOwner, claim_run_dir, point_latest
 from stream_ctr.train.streaming import stream_url
-from stream_ctr.train.loop import JobParts, Run, RunSummary
+from stream_ctr.train.loop import JobParts, Run, RunSummary, start_note
 from stream_ctr.train.trainer import resolve_device
 
 
@@ -392,6 +392,7 @@ def lockstep(job: Job, show_progress: bool) -> DistributedSummary:
     reading, was asked to stop or wants a checkpoint; then all step (a rank without a
     batch takes an idle step) and checkpoint together."""
     run, ctx = job.run, job.ctx
+    start_note(run, show_progress, speaks=ctx.is_main)
     label = f"train ({ctx.world_size} ranks, rank 0 shown)"
     progress = Progress(label, run.cfg.train.log_every_s, enabled=show_progress and ctx.is_main)
     every = run.cfg.train.checkpoint_every_batches

@@ -457,6 +457,7 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
 def _train(cfg: Config, resume: str | None, show_progress: bool) -> RunSummary:
     """`train` in a run directory this process owns (cfg.train.run_dir)."""
     run = Run(cfg, resume)
+    point_latest(Path(cfg.train.run_dir))
     start_note(run, show_progress)
     progress = Progress("train", cfg.train.log_every_s, enabled=show_progress, total=run.records_left())
     every = cfg.train.checkpoint_every_batches
@@ -527,14 +528,15 @@ def few_steps_note(run: Run) -> str:
             "smaller --batch-size or more --epochs give it more steps")
 
 
-def start_note(run: Run, show_progress: bool) -> None:
-    """What a run says before its first batch: an empty file, the optimizer, the model."""
-    if run.empty:
+def start_note(run: Run, show_progress: bool, speaks: bool = True) -> None:
+    """What a run says before its first batch: an empty file, the optimizer, the model
+    (in a job every rank calls it, the one that `speaks` prints). The summary keeps the
+    resolved optimizer."""
+    if run.empty and speaks:
         print(f"stream-ctr: warning: {run.input.path} holds no records (an empty file, an empty gzip or "
               "a header alone): nothing to train", file=sys.stderr, flush=True)
-    point_latest(Path(run.cfg.train.run_dir))
     run.summary.optim = dataclasses.asdict(run.trainer.optim)
-    if show_progress:
+    if show_progress and speaks:
         t = run.trainer
         if run.resumed:
             print(f"stream-ctr: {run.resumed}", file=sys.stderr, flush=True)

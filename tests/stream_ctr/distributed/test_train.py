@@ -259,6 +259,7 @@ def test_cli_launches_ranks_with_torchrun(tmp_path):
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["records_trained"] == 1024 and summary["world_size"] == 2
     assert summary["steps"] == 4 and summary["merges"] == 2
+    assert summary["optim"]["batch_size"] == 128          # the resolved settings, as one process says
     assert (tmp_path / "checkpoints" / "LATEST_JOB").exists()
 
 
