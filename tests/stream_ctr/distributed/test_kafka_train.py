@@ -123,6 +123,9 @@ def test_kafka_job_resumes_after_a_rank_dies_with_nothing_lost_or_repeated(kafka
     topic = kafka.topic(partitions=PARTITIONS)
     replay_file("criteo:sample", kafka.url(topic), limit=TRAIN_RECORDS)
     cfg = kafka_job_config(tmp_path, kafka.url(topic, "crash"))
+    # The rule's ramp for the first 60 steps: each batch of 64 trains as 2 pieces of 32
+    # rows, each a step of the job; the kill and the resume's hand-over fall inside it.
+    cfg["optim"].update(scale_from_batch=4, ramp_samples=60 * 32)
     crashed = run_ranks(kafka_rank, 2, cfg, None, (1, 50), timeout_s=240)
     assert crashed[1].exitcode == 17
     assert crashed[0].ok and "another rank stopped" in crashed[0].value["error"]

@@ -173,20 +173,25 @@ def test_two_ranks_train_every_record_exactly_once(reference_job):
 
 
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "hierarchical"])
-def test_every_rank_counts_the_job_steps(tmp_path, hierarchical):
+@pytest.mark.parametrize("ramp", [False, True], ids=["one-step-batches", "ramp"])
+def test_every_rank_counts_the_job_steps(tmp_path, hierarchical, ramp):
     """12,319 training records: stripes of 6,160 and 6,159 rows, batches of 2,053, so
     rank 1 sits idle in the last of 4 steps. Its warm-up, bias corrections and
     checkpointed step still count the job's steps (they used to count its own: 3).
     Hierarchical (both ranks on one node): the idle rank still takes the node's dense
-    step, its collectives in the training ranks' order (else this deadlocks)."""
+    step, its collectives in the training ranks' order (else this deadlocks). With a
+    ramp of 2 steps of 1,024 rows, each first batch is 3 pieces (1,024, 1,024, 5): 6 steps."""
     cfg = job_config(tmp_path, batch_size=2053, holdout_fraction=0.15)
     cfg["distributed"]["hierarchical"] = hierarchical
+    if ramp:
+        cfg["optim"].update(scale_from_batch=128, ramp_samples=2048)
     results = values(run_ranks(train_rank, 2, cfg, local_world=2))
     assert [len(r["offsets"]) for r in results] == [6160, 6159]
     final = results[0]["summary"]["checkpoint"]
     manifest = json.loads(open(os.path.join(final, "job.json")).read())
-    assert manifest["global_step"] == 4
-    assert [rank_state(final, rank)["step"] for rank in range(2)] == [4, 4]
+    steps = 6 if ramp else 4
+    assert manifest["global_step"] == steps
+    assert [rank_state(final, rank)["step"] for rank in range(2)] == [steps, steps]
 
 
 def test_two_ranks_auc_is_within_noise_of_one_replica(reference_job, tmp_path):
