@@ -248,8 +248,9 @@ class MetricsConfig:
     timeseries_every_s: float = 1.0
     # Past this size the file is renamed to timeseries.jsonl.<n> and a new one
     # started (stream_ctr/telemetry/timeseries.py); 0 = never rotate. At most
-    # timeseries_keep_segments renamed files are kept, the oldest deleted:
-    # the defaults keep three to four weeks of 1 s intervals in about 576 MiB per rank.
+    # timeseries_keep_segments renamed files are kept whole, the oldest folded
+    # (thinned) into timeseries.jsonl.0 and deleted: the defaults keep three to four
+    # weeks of 1 s intervals whole in about 576 MiB per rank, plus the history.
     timeseries_max_bytes: int = 64 << 20
     timeseries_keep_segments: int = 8
     # Exported as stream_ctr_prequential_auc_baseline; the AUC alert fires

@@ -1,8 +1,9 @@
 """`stream-ctr report RUN_DIR`: PNG plots and a one-page HTML summary of a run.
 
 Reads the time series the trainer keeps in its run directory
-(`stream_ctr.telemetry.timeseries`: ``timeseries.jsonl`` and its rotated segments
-``timeseries.jsonl.<n>``, one set per rank) and writes into ``RUN_DIR/report/``:
+(`stream_ctr.telemetry.timeseries`: ``timeseries.jsonl``, its rotated segments
+``timeseries.jsonl.<n>`` and the thinned history of deleted ones ``timeseries.jsonl.0``,
+one set per rank) and writes into ``RUN_DIR/report/``:
 
 - ``quality.png``      prequential AUC, logloss and calibration (sliding window)
 - ``throughput.png``   records trained per second
@@ -18,8 +19,8 @@ the model has trained on). A directory that holds several runs (written by an
 older version into one directory) is refused rather than drawn as one line.
 
 Runs of weeks hold millions of interval records, more than a plot can show or
-memory should hold. The files are streamed line by line, segments oldest
-first, and each rank keeps at most `MAX_POINTS` intervals evenly spaced in
+memory should hold. The files are streamed line by line, the history and
+segments oldest first, and each rank keeps at most `MAX_POINTS` intervals evenly spaced in
 interval count: every interval while they fit, then every 2nd, 4th, ... (when
 the kept points pass the bound, every other one is dropped and the stride
 doubles), plus the last interval read. Sampling, not averaging: a spike

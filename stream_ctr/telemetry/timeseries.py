@@ -32,22 +32,27 @@ A resumed run appends to the current file it finds (rotating it first if it
 is already full) and numbers its next segment after the highest on disk.
 
 At most ``keep_segments`` segments (``metrics.timeseries_keep_segments``,
-default 8) are kept; older ones are deleted, so a rank's series takes about
-(keep_segments + 1) x max_bytes on disk and the report of a very long run
-shows its most recent part. A deleted segment takes its intervals with it,
-and the start/end records of invocations that lived only there. The start
-record of the invocation that is writing is copied to the head of every new
-current file, so the report still knows its model, source and start time;
-readers treat a start record whose ``t`` they have already seen as that
-copy, not as a new invocation.
+default 8) are kept in full. An older one is folded into the history,
+``timeseries.jsonl.0`` (read before every segment), then deleted: its
+start, checkpoint and end records all, its intervals thinned to at most
+`FOLD_INTERVALS`; a history past ``max_bytes`` keeps every other interval
+until it fits.
+So a rank's series takes about (keep_segments + 2) x max_bytes on disk, and
+the report of a run of months still spans it all, its old weeks at a coarser
+step. The start record of the invocation that is writing is copied to the
+head of every new current file, so the report still knows its model, source
+and start time; readers treat a start record whose ``t`` they have already
+seen as that copy, not as a new invocation.
 
 Order of a rotation, so that a crash at any point loses no line: close the
 current file; rename it to the segment (atomic: every line is under exactly
 one of the two names); open the new current file and copy the start record
-into it; only then delete the segments beyond ``keep_segments``. A crash
+into it; only then fold the segments beyond ``keep_segments`` into the
+history (a new history file renamed over the old) and delete them. A crash
 after the rename leaves no current file (the writer creates it on resume,
 the report reads the segments); one before the deletion leaves a segment too
-many, removed at the next rotation.
+many, folded again at the next rotation: a fold skips the lines whose ``t``
+the history already reaches, so nothing is in it twice.
 """
 from __future__ import annotations
 
@@ -62,7 +67,9 @@ from typing import Any, Callable, Iterator, TextIO
 from stream_ctr.config import MetricsConfig
 
 # timeseries.jsonl, timeseries-rank3.jsonl, timeseries.jsonl.12, timeseries-rank3.jsonl.12
+# (number 0: the history of deleted segments)
 _FILE_NAME = re.compile(r"timeseries(?:-rank([0-9]+))?\.jsonl(?:\.([0-9]+))?")
+FOLD_INTERVALS = 1000       # a deleted segment's intervals kept in the history, at most
 
 
 def timeseries_path(run_dir: str | Path, rank: int = 0) -> Path:
@@ -78,16 +85,21 @@ def segment_paths(path: str | Path) -> list[Path]:
     if p.parent.is_dir():
         for q in p.parent.iterdir():
             suffix = q.name[len(p.name) + 1:]
-            if q.name.startswith(p.name + ".") and suffix.isascii() and suffix.isdigit():
+            if q.name.startswith(p.name + ".") and suffix.isascii() and suffix.isdigit() and int(suffix):
                 numbered.append((int(suffix), q))
     # numerically: timeseries.jsonl.10 comes after timeseries.jsonl.9
     return [q for _, q in sorted(numbered)]
 
 
+def history_path(path: str | Path) -> Path:
+    """The history of the time-series file `path`: its deleted segments, thinned."""
+    return Path(path).with_name(f"{Path(path).name}.0")
+
+
 def timeseries_files(run_dir: str | Path) -> dict[int, list[Path]]:
     """Every rank's time-series files in `run_dir` in the order they were written:
-    its segments oldest first, then its current file (absent right after a crash
-    mid-rotation). Ranks without any file are not in the result."""
+    its history, its segments oldest first, then its current file (absent right
+    after a crash mid-rotation). Ranks without any file are not in the result."""
     d = Path(run_dir)
     segments: dict[int, list[tuple[float, Path]]] = {}
     if d.is_dir():
@@ -173,7 +185,27 @@ class TimeSeriesLog:
         if self._start_line is not None:
             self._write(self._start_line)
         for old in segment_paths(self.path)[:-self.keep_segments]:
+            self._fold(old)
             old.unlink(missing_ok=True)
+
+    def _fold(self, segment: Path) -> None:
+        """Add `segment` to the history (module docstring): every record but intervals,
+        and at most FOLD_INTERVALS evenly spaced intervals; lines whose ``t`` the history
+        already reaches are skipped (a fold repeated after a crash, a start record's
+        copy). The new history replaces the old in one rename."""
+        history = history_path(self.path)
+        kept = [(line, r) for line in (history.read_text(encoding="utf-8").splitlines()
+                                       if history.exists() else []) if (r := _parse(line)) is not None]
+        last_t = max((_t(r) for _, r in kept), default=-math.inf)
+        new = [(line, r) for line in segment.read_text(encoding="utf-8").splitlines()
+               if (r := _parse(line)) is not None and _t(r) > last_t]
+        kept += _thin(new, max(1, math.ceil(sum(r.get("kind") == "interval" for _, r in new) / FOLD_INTERVALS)))
+        while self.max_bytes and sum(len(line) + 1 for line, _ in kept) > self.max_bytes \
+                and sum(r.get("kind") == "interval" for _, r in kept) > 1:
+            kept = _thin(kept, 2)
+        tmp = history.with_name(history.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line, _ in kept), encoding="utf-8")
+        os.replace(tmp, history)
 
     def append(self, record: dict[str, Any]) -> None:
         if self._file is None:
@@ -243,6 +275,32 @@ def read_timeseries(path: str | Path) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
             except json.JSONDecodeError:
                 continue
+
+
+def _parse(line: str) -> dict[str, Any] | None:
+    """A line's record; None for a torn line (a crash mid-write)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _t(record: dict[str, Any]) -> float:
+    t = record.get("t")
+    return float(t) if isinstance(t, (int, float)) else -math.inf
+
+
+def _thin(lines: list[tuple[str, dict]], stride: int) -> list[tuple[str, dict]]:
+    """(line, record) pairs: every `stride`-th interval (the first kept) and every other record."""
+    out, i = [], 0
+    for line, r in lines:
+        if r.get("kind") == "interval":
+            i += 1
+            if (i - 1) % stride:
+                continue
+        out.append((line, r))
+    return out
 
 
 def _ends_with_newline(path: Path) -> bool:

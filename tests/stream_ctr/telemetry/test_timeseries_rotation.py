@@ -8,8 +8,8 @@ import pytest
 
 from stream_ctr.config import ConfigError, load_config, validate
 from stream_ctr.telemetry.report import MAX_POINTS, find_run_dir, load_series, write_report
-from stream_ctr.telemetry.timeseries import (TimeSeriesLog, read_timeseries, segment_paths, timeseries_files,
-                                   timeseries_path)
+from stream_ctr.telemetry.timeseries import (TimeSeriesLog, history_path, read_timeseries, segment_paths,
+                                             timeseries_files, timeseries_path)
 
 
 class StepClock:
@@ -75,6 +75,45 @@ def test_rotation_happens_at_the_size_bound_and_keeps_at_most_n_segments(tmp_pat
     for p in segments + [path]:
         assert lines(p)[0] == first_start
     assert json.loads(first_start)["kind"] == "start"
+
+
+def test_deleted_segments_live_on_thinned_in_the_history(tmp_path):
+    """A run far longer than the segments kept: the report's files still begin at the
+    run's first interval (the history, read first), each line once and in time order,
+    the history within max_bytes; the newest segments are whole."""
+    path, clock = timeseries_path(tmp_path), StepClock(1000.0)
+    log = open_log(path, clock, max_bytes=20_000, keep_segments=2)
+    start(log, clock)
+    write_intervals(log, clock, 3000)
+    log.append({"kind": "checkpoint", "t": clock.t, "path": "ckpt", "records": 300_000})
+    log.close()
+    files = timeseries_files(tmp_path)[0]
+    assert files[0].name == "timeseries.jsonl.0" and files[1:-1] == segment_paths(path)
+    records = [r for p in files for r in read_timeseries(p)]
+    times = [r["t"] for r in records if r["kind"] == "interval"]
+    assert times[0] == 1001.0 and times[-1] == 4000.0
+    assert times == sorted(set(times))                      # once each, in order
+    assert 40 < len(times) < 3000                           # the old part thinned
+    assert [r["kind"] for r in read_timeseries(files[0])][0] == "start"
+    assert sum(r["kind"] == "start" and r["t"] == 1000.0 for r in read_timeseries(files[0])) == 1
+    assert files[0].stat().st_size <= 20_000
+    kept = records_of(segment_paths(path) + [path])         # the kept segments are whole
+    assert kept == list(range(kept[0], 3000 * 100 + 1, 100))
+
+
+def test_a_fold_repeated_after_a_crash_adds_nothing_twice(tmp_path):
+    """A crash between the new history's rename and the segment's deletion folds the same
+    segment again at the next rotation."""
+    path, clock = timeseries_path(tmp_path), StepClock(1000.0)
+    log = open_log(path, clock, max_bytes=2000, keep_segments=3)
+    start(log, clock)
+    write_intervals(log, clock, 60)
+    oldest = segment_paths(path)[0]
+    log._fold(oldest)
+    once = history_path(path).read_text()
+    log._fold(oldest)
+    assert history_path(path).read_text() == once
+    log.close()
 
 
 def test_zero_max_bytes_never_rotates(tmp_path):
@@ -179,8 +218,10 @@ def test_ranks_above_zero_rotate_their_own_files(tmp_path):
     rank1.close()
     files = timeseries_files(tmp_path)
     assert sorted(files) == [0, 1]
-    assert [p.name.split(".")[0] for p in files[1]] == ["timeseries-rank1"] * 3
-    assert len(files[0]) == 3 and files[0][-1].name == "timeseries.jsonl"
+    # rank 1 deleted a segment: its history comes first
+    assert [p.name.split(".")[0] for p in files[1]] == ["timeseries-rank1"] * 4
+    assert files[1][0].name == "timeseries-rank1.jsonl.0"
+    assert len(files[0]) == 4 and files[0][-1].name == "timeseries.jsonl"
     assert files[1][-1].name == "timeseries-rank1.jsonl"
     series = load_series(tmp_path)
     assert [s.rank for s in series] == [0, 1]
