@@ -20,10 +20,10 @@ older version into one directory) is refused rather than drawn as one line.
 
 Runs of weeks hold millions of interval records, more than a plot can show or
 memory should hold. The files are streamed line by line, the history and
-segments oldest first, and each rank keeps at most `MAX_POINTS` intervals evenly spaced in
-interval count: every interval while they fit, then every 2nd, 4th, ... (when
-the kept points pass the bound, every other one is dropped and the stride
-doubles), plus the last interval read. Sampling, not averaging: a spike
+segments oldest first, and each rank keeps at most `MAX_POINTS` intervals
+evenly spaced in interval count: every interval while they fit, then every
+2nd, 4th, ... (when the kept points pass the bound, every other one is dropped
+and the stride doubles), plus the last interval read. Sampling, not averaging: a spike
 between two kept intervals does not show. The summary's numbers (records
 trained, the end record, the tiers seen) come from every record read.
 """

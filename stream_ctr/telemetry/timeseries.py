@@ -36,10 +36,9 @@ default 8) are kept in full. An older one is folded into the history,
 ``timeseries.jsonl.0`` (read before every segment), then deleted: its
 start, checkpoint and end records all, its intervals thinned to at most
 `FOLD_INTERVALS`; a history past ``max_bytes`` keeps every other interval
-until it fits.
-So a rank's series takes about (keep_segments + 2) x max_bytes on disk, and
-the report of a run of months still spans it all, its old weeks at a coarser
-step. The start record of the invocation that is writing is copied to the
+until it fits. So a rank's series takes about (keep_segments + 2) x max_bytes
+on disk, and the report of a run of months still spans it all, its old weeks
+at a coarser step. The start record of the invocation that is writing is copied to the
 head of every new current file, so the report still knows its model, source
 and start time; readers treat a start record whose ``t`` they have already
 seen as that copy, not as a new invocation.
@@ -62,7 +61,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, Callable, Iterable, Iterator, TextIO
 
 from stream_ctr.config import MetricsConfig
 
@@ -192,19 +191,24 @@ class TimeSeriesLog:
         """Add `segment` to the history (module docstring): every record but intervals,
         and at most FOLD_INTERVALS evenly spaced intervals; lines whose ``t`` the history
         already reaches are skipped (a fold repeated after a crash, a start record's
-        copy). The new history replaces the old in one rename."""
+        copy). Streams the files (a segment is max_bytes of lines); the new history
+        replaces the old in one rename."""
         history = history_path(self.path)
-        kept = [(line, r) for line in (history.read_text(encoding="utf-8").splitlines()
-                                       if history.exists() else []) if (r := _parse(line)) is not None]
-        last_t = max((_t(r) for _, r in kept), default=-math.inf)
-        new = [(line, r) for line in segment.read_text(encoding="utf-8").splitlines()
-               if (r := _parse(line)) is not None and _t(r) > last_t]
-        kept += _thin(new, max(1, math.ceil(sum(r.get("kind") == "interval" for _, r in new) / FOLD_INTERVALS)))
-        while self.max_bytes and sum(len(line) + 1 for line, _ in kept) > self.max_bytes \
-                and sum(r.get("kind") == "interval" for _, r in kept) > 1:
-            kept = _thin(kept, 2)
+        last_t = max((_t(r) for r in read_timeseries(history)), default=-math.inf) \
+            if history.exists() else -math.inf
+        new = sum(r.get("kind") == "interval" and _t(r) > last_t for r in read_timeseries(segment))
         tmp = history.with_name(history.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line, _ in kept), encoding="utf-8")
+        with open(tmp, "w", encoding="utf-8") as out:
+            if history.exists():
+                out.writelines(line + "\n" for line, _ in _lines(history))
+            out.writelines(line + "\n" for line, _ in _thin(
+                ((line, r) for line, r in _lines(segment) if _t(r) > last_t), -(-new // FOLD_INTERVALS)))
+        while self.max_bytes and tmp.stat().st_size > self.max_bytes \
+                and sum(r.get("kind") == "interval" for _, r in _lines(tmp)) > 1:
+            thinner = tmp.with_name(tmp.name + ".2")
+            with open(thinner, "w", encoding="utf-8") as out:
+                out.writelines(line + "\n" for line, _ in _thin(_lines(tmp), 2))
+            os.replace(thinner, tmp)
         os.replace(tmp, history)
 
     def append(self, record: dict[str, Any]) -> None:
@@ -266,24 +270,20 @@ class TimeSeriesLog:
 
 def read_timeseries(path: str | Path) -> Iterator[dict[str, Any]]:
     """Records of a time-series file; a torn last line (crash mid-write) is skipped."""
+    return (record for _, record in _lines(Path(path)))
+
+
+def _lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(line, record) of a time-series file, streamed; torn lines (a crash mid-write) skipped."""
     with open(path, encoding="utf-8") as f:
         for line in f:
             line = line.strip()
-            if not line:
-                continue
             try:
-                yield json.loads(line)
+                record = json.loads(line) if line else None
             except json.JSONDecodeError:
                 continue
-
-
-def _parse(line: str) -> dict[str, Any] | None:
-    """A line's record; None for a torn line (a crash mid-write)."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return record if isinstance(record, dict) else None
+            if isinstance(record, dict):
+                yield line, record
 
 
 def _t(record: dict[str, Any]) -> float:
@@ -291,16 +291,16 @@ def _t(record: dict[str, Any]) -> float:
     return float(t) if isinstance(t, (int, float)) else -math.inf
 
 
-def _thin(lines: list[tuple[str, dict]], stride: int) -> list[tuple[str, dict]]:
-    """(line, record) pairs: every `stride`-th interval (the first kept) and every other record."""
-    out, i = [], 0
+def _thin(lines: Iterable[tuple[str, dict]], stride: int) -> Iterator[tuple[str, dict]]:
+    """(line, record) pairs: every `stride`-th interval (the first kept) and every record of
+    another kind."""
+    i = 0
     for line, r in lines:
         if r.get("kind") == "interval":
             i += 1
-            if (i - 1) % stride:
+            if (i - 1) % max(stride, 1):
                 continue
-        out.append((line, r))
-    return out
+        yield line, r
 
 
 def _ends_with_newline(path: Path) -> bool:
