@@ -23,7 +23,11 @@ column) gets a kind, and a comment saying why:
   heavy-tailed, else `standardize` with the sample's mean and std.
 
 A field missing from some sampled records is `optional` (its own "missing"
-key, or 0.0).  The result is a valid schema that trains as it is; the comments
+key, or 0.0).  Values of another shape in at most 1% of a field's records
+(a word in a number field, a list in an id field, a string where the others
+hold an object) are outliers: the field keeps the shape of the rest, the
+comment counts them and quotes one, and training rejects such records into
+the dead-letter file rather than letting one row change a column's kind.  The result is a valid schema that trains as it is; the comments
 are there for the person who edits it.
 """
 from __future__ import annotations
@@ -51,6 +55,7 @@ DEFAULT_RECORDS = 10_000
 MAX_CATEGORICAL_INTS = 100              # an integer field with at most this many values is categorical
 LOG_MIN_RATIO = 1000                    # positive numbers whose max/min is this or more are logged
 ID_UNIQUE_SHARE = 0.95                  # a string field this unique is an id
+OUTLIER_SHARE = 0.01                    # values of another shape in this share of a field's records are outliers
 LABEL_NAMES = ("click", "clicked", "label", "is_click", "target", "y", "conversion", "converted")
 TIME_NAMES = re.compile(r"(^|_|\.)(ts|time|timestamp|date|datetime|event_time)($|_)|time$", re.I)
 # A leaf named like an id (site_id, id, adId, campaignID; not bid or paid): its numbers are
@@ -66,6 +71,8 @@ class _Leaf:
     path: str
     values: list[Any] = field(default_factory=list)
     missing: int = 0
+    outliers: list[Any] = field(default_factory=list)     # values of a rare shape, set aside
+    object_outlier: bool = False                          # scalars where most records hold an object
 
 
 def infer_schema(path: str | Path, encoding: str, n_records: int = DEFAULT_RECORDS,
@@ -95,6 +102,11 @@ def infer_from_lines(lines: list[bytes], encoding: str, n_records: int = DEFAULT
         leaves, n, extra = _json_leaves(lines[:n_records])
     else:
         leaves, n, extra = _csv_leaves(lines)
+    if n == 0 and lines and encoding == "json":
+        first = lines[0][:80].decode("utf-8", errors="replace").rstrip("\r\n")
+        raise SchemaError(f"{origin}: none of the {len(lines[:n_records]):,} records read is a JSON object "
+                          f"(the first: {first!r}); a csv log infers as csv:PATH, and Criteo TSV trains "
+                          "as criteo:PATH without a schema")
     if n == 0:
         raise SchemaError(f"{origin}: no records to infer a schema from")
     fields, comments = _guess_fields(leaves, n, label, origin)
@@ -133,6 +145,13 @@ def _json_leaves(lines: list[bytes]) -> tuple[dict[str, _Leaf], int, dict]:
     for leaf in leaves.values():
         leaf.missing = len(records) - sum(v is not None for v in leaf.values)
         leaf.values = [v for v in leaf.values if v is not None]
+    # A path that holds an object in most records (device.os, device.type) and a scalar in a
+    # few ("device": "iphone"): the scalars are outliers of the object, not a field of their own.
+    for path in [p for p in leaves if any(q.startswith(p + ".") for q in leaves)]:
+        leaf = leaves[path]
+        if len(leaf.values) <= OUTLIER_SHARE * len(records):
+            leaf.outliers, leaf.values = leaf.values, []
+            leaf.object_outlier = True
     return leaves, len(records), {}
 
 
@@ -181,6 +200,9 @@ def _guess_fields(leaves: dict[str, _Leaf], n: int, label: str | None, origin: s
     if label is not None and label not in leaves:
         raise SchemaError(f"{origin}: --label {label!r} is not a field of the sample; fields: "
                           f"{', '.join(leaves)}")
+    for leaf in leaves.values():
+        if not leaf.object_outlier:
+            _set_aside_outliers(leaf)
     named = label is not None
     label = label or _label_candidate(leaves)
     if label is None:
@@ -196,7 +218,8 @@ def _guess_fields(leaves: dict[str, _Leaf], n: int, label: str | None, origin: s
             fields.insert(0, LabelField(name, path, threshold=threshold))
             comments[name] = (f"the label: {'named by --label' if named else 'guessed: booleans or 0/1'}; "
                               f"{_share_true(leaf.values):.1%} positive in the {n:,} records sampled"
-                              + ("" if threshold is None else "; not 0/1, so >= 0.5 counts as a click"))
+                              + ("" if threshold is None else "; not 0/1, so >= 0.5 counts as a click")
+                              + _outlier_note(leaf.outliers, n))
             continue
         f, comment = _guess_one(name, path, leaf, n, have_time)
         have_time |= isinstance(f, EventTimeField)
@@ -239,14 +262,20 @@ def _field_name(path: str, taken: set[str]) -> str:
 
 
 def _guess_one(name: str, path: str, leaf: _Leaf, n: int, have_time: bool) -> tuple[Field, str]:
+    if leaf.object_outlier:
+        return IgnoreField(name, path), (f"a scalar in {len(leaf.outliers):,} of {n:,} records (e.g. "
+                                         f"{_example(leaf.outliers)}) where the others hold an object, whose "
+                                         "fields follow: ignored (such records are rejected into the dead-letter file when trained)")
     values, optional = leaf.values, leaf.missing > 0
     missing_note = f"; missing in {leaf.missing:,} of {n:,} records: optional" if optional else ""
+    missing_note += _outlier_note(leaf.outliers, n)
     if not values:
         return IgnoreField(name, path), "always missing or null in the sample"
     kinds = {_kind_of(v) for v in values}
     if "list" in kinds:
         return _guess_list(name, path, values, optional, kinds, missing_note)
-    if "object" in kinds or len(kinds - {"int", "float"}) > 1:
+    non_numbers = kinds - {"int", "float"}
+    if "object" in kinds or len(non_numbers) > 1 or (non_numbers and non_numbers != kinds):
         if kinds <= {"str", "int", "float", "bool"}:
             return (CategoricalField(name, path, optional=optional),
                     f"mixed {'/'.join(sorted(kinds))} values: hashed as tokens{missing_note}")
@@ -309,6 +338,38 @@ def _guess_one(name: str, path: str, leaf: _Leaf, n: int, have_time: bool) -> tu
     return (NumericField(name, path, transform="standardize", mean=round(mean, 6), std=float(f"{std:.6g}"),
                          optional=optional),
             f"numbers {lo:g}..{hi:g}: standardized with the sample's mean and std{missing_note}")
+
+
+def _shape(v: Any) -> str:
+    """A value's shape for outliers: booleans, ints and floats are one shape (a label
+    mixes true and 0; a numeric field's true is a 1)."""
+    kind = _kind_of(v)
+    return "number" if kind in ("bool", "int", "float") else kind
+
+
+def _set_aside_outliers(leaf: _Leaf) -> None:
+    """Move the values of rare shapes (together at most OUTLIER_SHARE of the field's
+    records, e.g. one "cheap" among 2,000 prices) from `leaf.values` to `leaf.outliers`."""
+    if not leaf.values:
+        return
+    shapes = [_shape(v) for v in leaf.values]
+    top = max(set(shapes), key=shapes.count)
+    rare = len(shapes) - shapes.count(top)
+    if 0 < rare <= OUTLIER_SHARE * len(shapes):
+        leaf.outliers = [v for v, sh in zip(leaf.values, shapes) if sh != top]
+        leaf.values = [v for v, sh in zip(leaf.values, shapes) if sh == top]
+
+
+def _outlier_note(outliers: list[Any], n: int) -> str:
+    if not outliers:
+        return ""
+    return (f"; {len(outliers):,} of {n:,} records {'holds' if len(outliers) == 1 else 'hold'} another "
+            f"shape (e.g. {_example(outliers)}): outliers, rejected into the dead-letter file when trained")
+
+
+def _example(values: list[Any]) -> str:
+    example = repr(values[0])
+    return example if len(example) <= 40 else example[:37] + "..."
 
 
 def _guess_list(name: str, path: str, values: list[Any], optional: bool, kinds: set[str],

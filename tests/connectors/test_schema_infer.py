@@ -133,3 +133,46 @@ def test_a_second_label_like_field_is_flagged_when_another_is_named(tmp_path):
     assert schema.fields[0].name == "conversion"
     assert "WARNING: named and valued like a label" in comments["clicked"]
     assert "WARNING" not in comments["ad"]
+
+
+def _log_with_outliers(path, outliers: list[dict], n: int = 2000):
+    rows = [{"user_id": f"u{i % 30}", "ad_id": i % 7, "price": 0.01 + i * 1e-4, "clicked": i % 3 == 0,
+             "device": {"os": "ios" if i % 2 else "android"}} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + outliers))
+
+
+def test_a_rare_value_of_another_shape_does_not_decide_the_field(tmp_path):
+    """One word among 2,000 prices, one list among 2,000 ids, one string where the others
+    hold an object: the field keeps the majority's kind and the comment names the outlier
+    (training rejects that record into the dead-letter file)."""
+    path = tmp_path / "log.jsonl"
+    base = {"user_id": "u1", "ad_id": 1, "price": 0.3, "clicked": False, "device": {"os": "ios"}}
+    _log_with_outliers(path, [{**base, "price": "cheap"}, {**base, "ad_id": [1, 2]},
+                              {**base, "device": "iphone"}, {**base, "clicked": 0}])
+    schema, comments = infer_schema(path, "json", label="clicked")
+    kinds = {f.name: f for f in schema.fields}
+    assert isinstance(kinds["price"], NumericField) and kinds["price"].transform == "standardize"
+    assert "1 of 2,004 records holds another shape (e.g. 'cheap')" in comments["price"]
+    assert kinds["ad_id"] == CategoricalField("ad_id", "ad_id")
+    assert "e.g. [1, 2]" in comments["ad_id"]
+    assert kinds["os"] == CategoricalField("os", "device.os", optional=True)     # missing in 1 record
+    assert isinstance(kinds["device"], IgnoreField) and "'iphone'" in comments["device"]
+    assert "another shape" not in comments["clicked"]      # a 0 among booleans is a label value
+
+
+def test_a_field_of_two_shapes_in_earnest_stays_mixed(tmp_path):
+    """5% strings among numbers is not an outlier: the field is hashed as tokens."""
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps({"clicked": i % 2, "site": f"s{i % 3}",
+                                        "x": f"w{i % 4}" if i % 20 == 0 else i % 50}) + "\n"
+                            for i in range(400)))
+    schema, comments = infer_schema(path, "json")
+    assert isinstance({f.name: f for f in schema.fields}["x"], CategoricalField)
+    assert comments["x"].startswith("mixed")
+
+
+def test_lines_that_are_not_json_objects_are_named(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text("a\tb\tc\n1\t2\t3\n")
+    with pytest.raises(SchemaError, match=r"none of the 2 records read is a JSON object \(the first: 'a\\tb\\tc'\)"):
+        infer_schema(path, "json")
