@@ -49,6 +49,11 @@ class DataConfig:
     # The declared schema of json:/csv: sources, as TOML text (connectors/schema.py): set by
     # --schema FILE or a [schema] table in the config file; stored in every checkpoint.
     schema: str = ""
+    # A --resume whose --schema decodes otherwise than the checkpoint's (a transform, a
+    # path, a field added) is refused: the model's weights mean what the run's schema
+    # decoded. true = the log itself changed (a field renamed upstream) and the new
+    # schema says how to read it; the run goes on under it.
+    allow_schema_change: bool = False
 
 
 @dataclass

@@ -158,6 +158,7 @@ class Run:
         self.fmt = self.input.fmt
         if state is not None:
             refuse_other_features(resume, saved, cfg, self.fmt)
+            refuse_changed_schema(resume, saved, cfg)
             self.input.restore(self.job.resume_positions(state.positions), resume, saved)
         self.trainer = Trainer.for_format(cfg, self.fmt)
         self.window = PrequentialWindow(cfg.train.eval_window_records, cfg.train.eval_refresh_s)
@@ -424,6 +425,28 @@ def refuse_other_features(resume: str, saved: Config, cfg: Config, fmt) -> None:
                           f"{describe_features(fmt)}: their features do not match; resume "
                           "with the run's schema (omit --schema: the checkpoint holds it) or "
                           "train into a new --run-dir")
+
+
+def refuse_changed_schema(resume: str, saved: Config, cfg: Config) -> None:
+    """A resume under a --schema that decodes otherwise than the checkpoint's (a price
+    taken raw where the model learned its ln, an id read from another path): the same
+    features, so nothing else notices, but the weights would be read against other
+    inputs. Refused, naming the fields, unless data.allow_schema_change."""
+    if cfg.data.allow_schema_change or not saved.data.schema or cfg.data.schema == saved.data.schema:
+        return
+    from stream_ctr.connectors.schema import parse_schema
+    old, new = parse_schema(saved.data.schema), parse_schema(cfg.data.schema)
+    old_fields, new_fields = ({f.name: f for f in s.fields} for s in (old, new))
+    changed = [name for name in {**old_fields, **new_fields}
+               if old_fields.get(name) != new_fields.get(name)]
+    if not changed and dataclasses.replace(old, fields=()) == dataclasses.replace(new, fields=()):
+        return
+    what = f"fields {', '.join(changed)}" if changed else "its encoding"
+    raise ConfigError(f"--resume {resume}: --schema decodes otherwise than the schema the run trained "
+                      f"with ({what} differ); the model's weights mean what the run's schema decoded. "
+                      "Omit --schema to go on with the run's (the checkpoint holds it), train a new "
+                      "--run-dir, or, if the log itself changed (a field renamed upstream), "
+                      "--set data.allow_schema_change=true")
 
 
 def train(cfg: Config, resume: str | None = None, show_progress: bool = True) -> RunSummary:

@@ -114,6 +114,31 @@ def test_a_schema_that_fits_no_record_fails_without_moving_the_resume_point(ad_l
     assert resumed["records_trained"] == 500 and resumed["records_trained_total"] == 1500
 
 
+def test_a_resume_under_a_schema_that_decodes_otherwise_is_refused(ad_log, tmp_path):
+    """The same features read another way (price raw instead of its ln, user_id from another
+    path) would change what the weights mean without a word: refused, naming the fields,
+    unless the user says the log changed. The run's own schema, repeated, is fine."""
+    text = run("schema", "infer", f"json:{ad_log}", "--label", "clicked", "--quiet").stdout
+    schema, other = tmp_path / "s.toml", tmp_path / "other.toml"
+    schema.write_text(text)
+    assert 'path = "device.os"' in text
+    other.write_text(re.sub(r'transform = "log"\n(mean = .*\n)(std = .*\n)', 'transform = "raw"\n', text)
+                     .replace('path = "device.os"', 'path = "device.type"'))
+    assert other.read_text() != text
+    run_dir = tmp_path / "run"
+    last_json(run("train", f"json:{ad_log}", "--schema", schema, "--limit", "1000", "--run-dir", run_dir,
+                  "--json", "--quiet"))
+    out = run("train", f"json:{ad_log}", "--schema", other, "--resume", run_dir, "--limit", "100", "--quiet")
+    assert out.returncode == 2 and "fields os, price differ" in out.stderr, out.stderr
+    assert "data.allow_schema_change=true" in out.stderr
+    same = last_json(run("train", f"json:{ad_log}", "--schema", schema, "--resume", run_dir, "--limit", "100",
+                         "--json", "--quiet"))
+    assert same["records_trained"] == 100
+    allowed = last_json(run("train", f"json:{ad_log}", "--schema", other, "--resume", run_dir, "--limit", "100",
+                            "--set", "data.allow_schema_change=true", "--json", "--quiet"))
+    assert allowed["records_trained"] == 100 and allowed["records_trained_total"] == 1200
+
+
 def test_eval_and_train_say_how_many_records_did_not_decode(ad_log, tmp_path):
     lines = ad_log.read_text().splitlines()[:400]
     mixed = tmp_path / "mixed.jsonl"
