@@ -105,8 +105,11 @@ class DeadLetterFile:
                             ensure_ascii=False)
                  for r in rejected]
         # One write: a kill leaves whole lines, or a torn last one that `entries_since` cuts.
-        self._file.write(("\n".join(lines) + "\n").encode("utf-8", errors="replace"))
-        self._file.flush()
+        try:
+            self._file.write(("\n".join(lines) + "\n").encode("utf-8", errors="replace"))
+            self._file.flush()
+        except OSError as e:        # a full disk says which file, not just "No space left"
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         self.counts.update(r.reason for r in rejected)
 
     def position(self) -> dict[str, int]:

@@ -330,7 +330,13 @@ def bucket_keys(values: np.ndarray, missing: np.ndarray, boundaries: tuple[float
 
 def dense_values(values: np.ndarray, transform: str, mean: float, std: float) -> np.ndarray:
     """float32 dense column: raw, sign(x)*log1p(|x|) in float32, (ln(x) - mean) / std (log:
-    the caller has rejected x <= 0), or (x - mean) / std."""
+    the caller has rejected x <= 0), or (x - mean) / std. A value beyond float32's range
+    comes out inf: the caller rejects its record."""
+    with np.errstate(over="ignore"):
+        return _dense_values(values, transform, mean, std)
+
+
+def _dense_values(values: np.ndarray, transform: str, mean: float, std: float) -> np.ndarray:
     if transform == "log1p":
         # float32 all the way, as the Criteo decoder does (decode_tables._signed_log1p_into).
         as_float = values.astype(np.float32)

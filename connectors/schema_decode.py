@@ -64,8 +64,9 @@ def json_parser(name: str) -> Iterator[None]:
 _LF, _CR = 10, 13
 # The compiled JSON scan, unless STREAM_CTR_NO_JIT=1 (then every line takes the per-line parser).
 _SCAN = os.environ.get("STREAM_CTR_NO_JIT", "") != "1"
-_EXPECTED = {"label": "0/1 or true/false (or a number, with threshold)", "weight": "a number >= 0",
-             "categorical": "a string, number or boolean", "numeric": "a number",
+_EXPECTED = {"label": "0/1 or true/false (or a number, with threshold)", "weight": "a number >= 0 (at most 3.4e38)",
+             "categorical": "a string, number or boolean",
+             "numeric": "a number (within float32's range, +-3.4e38, after its transform)",
              "event_time": "a time", "multi_hot": "a list of strings, numbers or booleans"}
 
 
@@ -326,7 +327,10 @@ class _Converted:
         f, status, raw = self.checks[self.failed_field[row]]
         value = col.raw_value(raw, row)
         if status[row] == col.MISSING:
-            return f"missing:{f.name}", f"{f.name} (path {f.path!r}) is missing; give it a default"
+            if isinstance(f, LabelField):       # a default label would invent clicks
+                return f"missing:{f.name}", f"{f.name} (path {f.path!r}) is missing or null: no label to train on"
+            return f"missing:{f.name}", (f"{f.name} (path {f.path!r}) is missing or null; give it a "
+                                         "default, or optional = true")
         expected = _EXPECTED.get(f.kind, "a value")
         if isinstance(f, EventTimeField):
             lo, hi = col.EPOCH_MS_SECONDS_LIKE
@@ -370,7 +374,9 @@ def _convert(schema: Schema, raw_of: Callable[[str], Any], m: int) -> _Converted
             out.labels[:] = values
         elif isinstance(f, WeightField):
             values, status = _with_default(f, raw, col.numbers)
-            status[(status == col.OK) & ~(values >= 0)] = col.BAD     # negative or NaN
+            # negative, NaN, or beyond float32 (inf as the loss's weight)
+            status[(status == col.OK) & ~((values >= 0) & (values <= np.finfo(np.float32).max))] = col.BAD
+            values[status == col.BAD] = 0.0
             out.weight[:] = values
         elif isinstance(f, EventTimeField):
             layout = time_format_layout(f.format) if f.format else ()
@@ -399,6 +405,11 @@ def _convert(schema: Schema, raw_of: Callable[[str], Any], m: int) -> _Converted
             else:
                 dense = col.dense_values(values, f.transform, f.mean, f.std)
                 dense[missing] = 0.0
+                # 1e300 is a finite float64 but inf as the model's float32: one such value
+                # made its whole batch's loss non-finite, and the batch was skipped.
+                overflow = ~np.isfinite(dense)
+                status[overflow & (status == col.OK)] = col.BAD
+                dense[overflow] = 0.0
                 out.dense[:, dense_index[f.name]] = dense
         elif isinstance(f, MultiHotField):
             j = multi_index[f.name]

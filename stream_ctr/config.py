@@ -311,10 +311,19 @@ class Config:
         if "schema" in raw:             # [schema]: the data's declared layout, kept as its TOML text
             raw = dict(raw)
             cfg.data.schema = schema_text(raw.pop("schema"), origin)
+        sections = [f.name for f in dataclasses.fields(cfg)]
         for section, values in raw.items():
-            if not hasattr(cfg, section) or not isinstance(values, dict):
-                raise ConfigError(f"{origin}: unknown section [{section}] "
-                                  f"(known: {', '.join(f.name for f in dataclasses.fields(cfg))})")
+            if hasattr(cfg, section) and not isinstance(values, dict):
+                raise ConfigError(f"{origin}: [{section}] is a section: write its options under a "
+                                  f"[{section}] header, not {section} = {values!r}")
+            if not isinstance(values, dict):
+                owners = [f"[{s}] {section}" for s in sections
+                          if any(f.name == section for f in dataclasses.fields(getattr(cfg, s)))]
+                raise ConfigError(f"{origin}: {section} = {values!r} is outside any section"
+                                  + (f"; it belongs under {' or '.join(owners)}" if owners else
+                                     f" and names no option (sections: {', '.join(sections)})"))
+            if not hasattr(cfg, section):
+                raise ConfigError(f"{origin}: unknown section [{section}] (known: {', '.join(sections)})")
             for key, value in values.items():
                 set_option(cfg, f"{section}.{key}", value, origin)
         return cfg
@@ -414,7 +423,12 @@ def _convert(value: Any, default: Any, dotted: str, origin: str) -> Any:
                 if value.lower() in ("0", "false", "no", "off"):
                     return False
                 raise ValueError(value)
-            return bool(value)
+            if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+                return bool(value)
+            raise ValueError(value)
+        # TOML's true is a Python int too: batch_size = true trained batches of 1 record.
+        if isinstance(value, bool) or (isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value)):
+            raise ValueError(value)
         if isinstance(default, tuple):
             if isinstance(value, str):
                 value = [v for v in value.replace(" ", "").split(",") if v]
@@ -426,14 +440,18 @@ def _convert(value: Any, default: Any, dotted: str, origin: str) -> Any:
                 raise ValueError(value)
             return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
         if isinstance(default, float):
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):       # lr_dense = inf skipped every batch as non-finite
+                raise ValueError(value)
+            return number
         return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         kind = {bool: "true or false", tuple: "a comma-separated list of integers",
-                float: "a number", int: "an integer"}.get(type(default), type(default).__name__)
+                float: "a finite number", int: "an integer"}.get(type(default), type(default).__name__)
         if isinstance(default, int) and dotted.endswith("_bytes"):
             kind = "a byte size (an integer, or e.g. 512MiB, 2GB, 64G)"
-        raise ConfigError(f"{origin}: option '{dotted}' must be {kind}, got {value!r}") from None
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        raise ConfigError(f"{origin}: option '{dotted}' must be {kind}, got {shown}") from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
@@ -444,9 +462,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            raw = tomllib.loads(p.read_text())
+            raw = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p}: not a UTF-8 text file; --config takes a TOML file "
+                              "(stream-ctr config example writes one)") from None
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read it ({e.strerror})") from None
         cfg = Config.from_dict(raw, origin=str(p))
     for item in overrides or []:
         key, sep, value = item.partition("=")
@@ -496,6 +519,9 @@ def check_line_range(start: int | None, stop: int | None) -> None:
         raise ConfigError(f"--start {start} / --stop {stop}: need 0 <= start <= stop (data-line offsets)")
 
 
+MAX_THREADS = 1024
+
+
 def validate(cfg: Config) -> Config:
     """Raise ConfigError naming the first option whose value cannot work."""
     d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.train
@@ -542,7 +568,10 @@ def validate(cfg: Config) -> Config:
         (o.eps > 0, f"optim.eps must be > 0, got {o.eps}"),
         (t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"),
          f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}"),
-        (t.threads >= 0, f"train.threads must be >= 0, got {t.threads}"),
+        # torch crashed outright at 100,000 (each thread's stack), and crawled at 5,000.
+        (0 <= t.threads <= MAX_THREADS,
+         f"train.threads must be in [0, {MAX_THREADS}] (0: chosen by the cores and the load), got {t.threads}"),
+        (cfg.data.decode_threads <= MAX_THREADS, f"data.decode_threads must be <= {MAX_THREADS}, got {cfg.data.decode_threads}"),
         (heap_keep_bytes_ok(t.heap_keep_bytes),
          f"train.heap_keep_bytes must be {HEAP_KEEP_RULE}, got {t.heap_keep_bytes}"),
         (t.checkpoint_every_batches >= 0, "train.checkpoint_every_batches must be >= 0"),

@@ -47,7 +47,12 @@ class ThreadChoice:
 
     @property
     def warning(self) -> str | None:
-        """One line for stderr when the load took threads away, else None."""
+        """One line for stderr when the load took threads away, or more threads were
+        configured than this process may use, else None."""
+        if self.reason == "configured" and self.threads > self.usable:
+            return (f"stream-ctr: warning: train.threads = {self.threads} is more than the {self.usable} "
+                    f"core(s) this process may use: threads beyond the cores wait on each other and "
+                    f"slow every step (0 chooses by the cores and the machine's load)")
         if self.reason != "load":
             return None
         return (f"stream-ctr: the machine's load ({self.load:.1f}) exceeds its free cores "

@@ -15,6 +15,7 @@ import dataclasses
 import errno
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from stream_ctr.cli.output import LOG_LEVELS, auc_text, emit, set_log_level
@@ -450,6 +451,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     emit(args, s.as_dict(),
          f"trained {s.records_trained:,} records ({rejected}) in "
          f"{s.seconds:.1f} s, {s.samples_per_s:,.0f} samples/s; {scores}{test}; checkpoint {s.checkpoint}")
+    if s.skipped_batches:       # their records were read but taught the model nothing
+        print(f"stream-ctr: warning: {s.skipped_batches:,} of {s.batches:,} batches were not trained: their "
+              "loss was not finite (NaN or inf; a learning rate too large for the data, or an extreme "
+              "value in a record); the metric stream_ctr_batches_skipped_total counts them",
+              file=sys.stderr)
+    if s.stopped and s.checkpoint and not args.quiet:
+        run_dir = cfg.train.run_dir or Path(s.checkpoint).parent.parent
+        print(f"stream-ctr: stopped by a signal before the end of the data; the checkpoint holds every "
+              f"record trained: continue with `stream-ctr train --resume {run_dir}`", file=sys.stderr)
     if damaged is not None:
         raise damaged
     return EXIT_EMPTY if s.empty_source else 0
@@ -609,6 +619,19 @@ def main(argv: list[str] | None = None) -> int:
         return status
 
 
+def _free_bytes(path: str | None) -> int | None:
+    import shutil
+    if not path:
+        return None
+    p = Path(path)
+    for folder in (p, *p.parents):
+        try:
+            return shutil.disk_usage(folder).free
+        except OSError:
+            continue
+    return None
+
+
 def _exit_status(e: Exception, args: argparse.Namespace) -> int | None:
     """Print the one line for an error a user can cause and return its exit status;
     None for anything else (a bug: the traceback is the report)."""
@@ -646,12 +669,32 @@ def _exit_status(e: Exception, args: argparse.Namespace) -> int | None:
         # the local broker (or its storage server) would not start or died: the source is gone
         print(f"stream-ctr: error: {e}", file=sys.stderr)
         return EXIT_DATA
+    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate" in str(e)):
+        # torch's CPU allocator raises RuntimeError("... can't allocate N bytes")
+        print(f"stream-ctr: error: out of memory ({str(e).strip() or 'MemoryError'}): the model, the batch "
+              "or the store's budgets need more than this machine has; use a smaller model.mlp_dims, "
+              "data.batch_size or store.ram_bytes (docs/tiers-and-sizing.md), or free memory",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if isinstance(e, RuntimeError) and "can't start new thread" in str(e):
+        print("stream-ctr: error: the system refused a new thread (its limit on threads is reached: "
+              "`ulimit -u`, or other processes' threads); the last checkpoint is intact: run the same "
+              "command with --resume RUN_DIR once threads are free, or lower train.threads and "
+              "data.decode_threads", file=sys.stderr)
+        return EXIT_STATE
     if isinstance(e, OSError):            # a run directory that cannot be written, a full disk
         if e.errno == errno.EADDRINUSE:
             print(f"stream-ctr: error: the port is in use ({e.strerror}): pick another --port "
                   "(0: any free one)", file=sys.stderr)
             return EXIT_USAGE
         where = f" {e.filename}" if e.filename else ""
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            free = _free_bytes(e.filename)
+            print(f"stream-ctr: error: the disk is full writing{where}: {e.strerror}"
+                  + (f" ({free:,} bytes free there)" if free is not None else "")
+                  + "; the last checkpoint is intact: free space (or move the run directory), then "
+                  "run the same command with --resume RUN_DIR", file=sys.stderr)
+            return EXIT_STATE
         print(f"stream-ctr: error: cannot use{where}: {e.strerror or e} (check that path in the "
               "command: --run-dir, --out, a path in --set; its permissions and free disk space)",
               file=sys.stderr)

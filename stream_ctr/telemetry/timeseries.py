@@ -169,8 +169,11 @@ class TimeSeriesLog:
         return self.max_bytes > 0 and self._bytes >= self.max_bytes
 
     def _write(self, line: str) -> None:
-        self._file.write(line)
-        self._file.flush()
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as e:        # a full disk says which file, not just "No space left"
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         # json.dumps escapes every non-ASCII character, so characters are bytes
         self._bytes += len(line)
 

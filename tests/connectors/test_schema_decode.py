@@ -96,6 +96,11 @@ def test_crosses_depend_on_every_component():
     ({**GOOD, "ts": "2024-02-30T03:04:05"}, "bad_value:ts", "%Y-%m-%dT%H:%M:%S"),
     ({**GOOD, "ts": "2024-01-02 03:04:05"}, "bad_value:ts", "2024-01-02 03:04:05"),
     ({**GOOD, "weight": -1}, "bad_value:weight", ">= 0"),
+    # finite as float64, inf as the model's float32: one of them made its batch's loss inf
+    ({**GOOD, "age": 1e300}, "bad_value:age", "age = 1e+300: expected a number (within float32's range"),
+    ({**GOOD, "price": -1e300}, "bad_value:price", "float32"),
+    ({**GOOD, "weight": 1e39}, "bad_value:weight", "at most 3.4e38"),
+    ({**GOOD, "clicked": None}, "missing:clicked", "is missing or null: no label to train on"),
 ])
 def test_bad_records_are_rejected_naming_the_field(line, reason, detail):
     data = _lines(GOOD, line, GOOD)

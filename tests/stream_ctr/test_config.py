@@ -57,6 +57,27 @@ def test_bad_toml_file(tmp_path):
         load_config(p)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml")
+    p.write_bytes(b"\x7fELF\x02\x01\x01\x00\xff\xfe")
+    with pytest.raises(ConfigError, match="not a UTF-8 text file"):
+        load_config(p)
+
+
+@pytest.mark.parametrize("text, needle", [
+    # TOML's true is a Python int: it trained batches of one record
+    ("[data]\nbatch_size = true\n", "'data.batch_size' must be an integer, got true"),
+    ("[model]\nmlp_dims = [true, 4]\n", "'model.mlp_dims' must be a comma-separated list"),
+    ("[optim]\ncowclip = 2\n", "'optim.cowclip' must be true or false, got 2"),
+    ("[optim]\nlr_dense = inf\n", "'optim.lr_dense' must be a finite number, got inf"),
+    ("[optim]\nlr_embed = nan\n", "'optim.lr_embed' must be a finite number"),
+    ("batch_size = 1024\n", r"batch_size = 1024 is outside any section; it belongs under \[data\] batch_size"),
+    ("data = 5\n", r"\[data\] is a section: write its options under a \[data\] header"),
+    ("[train]\nthreads = 100000\n", r"train.threads must be in \[0, 1024\]"),
+])
+def test_config_values_of_the_wrong_kind_are_named(tmp_path, text, needle):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=needle):
+        validate(load_config(p))
 
 
 def _criteo_base(batch: int) -> Config:

@@ -31,7 +31,9 @@ def no_quota(tmp_path):
 
 def test_an_explicit_thread_count_wins_over_cores_and_load(no_quota):
     choice = choose_threads(3, load=50.0, affinity=2, online=2, **no_quota)
-    assert (choice.threads, choice.reason, choice.load, choice.warning) == (3, "configured", None, None)
+    assert (choice.threads, choice.reason, choice.load) == (3, "configured", None)
+    assert "train.threads = 3 is more than the 2 core(s)" in choice.warning      # honoured, but said
+    assert choose_threads(2, load=50.0, affinity=2, online=2, **no_quota).warning is None
 
 
 def test_an_idle_machine_uses_every_usable_core(no_quota):

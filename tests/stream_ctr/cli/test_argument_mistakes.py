@@ -30,3 +30,22 @@ def test_a_file_where_a_directory_is_needed_is_named(tmp_path):
     out = subprocess.run(CLI + ["train", "--run-dir", str(tmp_path / "afile"), "--limit", "10", "--quiet"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "afile exists and is not a directory" in out.stderr, out.stderr
+
+
+def test_a_model_too_large_for_memory_is_one_line(tmp_path):
+    out = subprocess.run(CLI + ["train", "--run-dir", str(tmp_path / "r"), "--limit", "10", "--quiet",
+                                "--set", "model.mlp_dims=1000000,1000000"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "stream-ctr: error: out of memory" in out.stderr, out.stderr
+    assert "model.mlp_dims" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_skipped_batches_and_a_stop_by_signal_are_said(tmp_path):
+    """A learning rate that makes every loss inf reads the data but teaches nothing: the
+    summary line alone would read like success."""
+    out = subprocess.run(CLI + ["train", "--run-dir", str(tmp_path / "r"), "--limit", "2000", "--quiet",
+                                "--set", "optim.lr_dense=1e30"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "batches were not trained: their loss was not finite" in out.stderr, out.stderr
+    assert "stream_ctr_batches_skipped_total" in out.stderr

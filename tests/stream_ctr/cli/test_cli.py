@@ -96,7 +96,7 @@ def test_train_json_then_eval(tmp_path):
 def test_sigterm_finishes_batch_and_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(CLI + ["train", "criteo:sample", "--epochs", "1000", "--batch-size", "64",
-                                   "--run-dir", str(run_dir), "--json", "--quiet"],
+                                   "--run-dir", str(run_dir), "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -115,6 +115,9 @@ def test_sigterm_finishes_batch_and_checkpoints(tmp_path):
     ckpt = (run_dir / "checkpoints" / (run_dir / "checkpoints" / "LATEST").read_text())
     state = json.loads((ckpt / "state.json").read_text())
     assert state["records_trained"] == summary["records_trained"]
+    # the summary alone reads like a finished run: the stop and the way on are said
+    assert "stopped by a signal before the end of the data" in err
+    assert f"continue with `stream-ctr train --resume {run_dir}`" in err
 
 
 def test_synth_writes_decodable_file(tmp_path):
