@@ -315,20 +315,25 @@ def cmd_predict(args: argparse.Namespace) -> tuple[dict, str]:
     out = Path(args.out)
     if not out.parent.is_dir():          # before scoring, not after it
         raise ConfigError(f"--out {out}: the directory {out.parent} does not exist")
-    probs, labels, rejected = score_file(scorer, path, fmt, start, stop, args.chunk_records)
+    probs, labels, rejected, lines = score_file(scorer, path, fmt, start, stop, args.chunk_records)
     if rejected and not len(probs):
         raise SourceError(f"none of the {rejected:,} records of {source} (lines {start:,}-) decoded "
                           f"under the bundle's {fmt.name or 'schema'} layout: is it the layout the run "
                           "trained on? Nothing was written")
-    if out.suffix == ".npy":
-        np.save(out, probs.astype(np.float32))
-    else:
-        np.savetxt(out, probs, fmt="%.9g")          # 9 digits: the exact float32
-    acc = accuracy(probs, labels).as_dict() if len(probs) else {}
     end = start + len(probs) + rejected             # the lines read: up to stop, or the end
+    # One value per line read, NaN where the line did not decode: the output lines up
+    # with the input (row i of the output is data line start + i).
+    per_line = np.full(end - start, np.nan, np.float32)
+    per_line[lines - start] = probs
+    if out.suffix == ".npy":
+        np.save(out, per_line)
+    else:
+        np.savetxt(out, per_line, fmt="%.9g")       # 9 digits: the exact float32; nan for a reject
+    acc = accuracy(probs, labels).as_dict() if len(probs) else {}
     summary = {"bundle": str(bundle.path), "model_version": scorer.version, "source": source,
                "start": start, "stop": end, "rows": rows, "records": int(len(probs)),
                "rejected": rejected, "precision": scorer.precision, "out": str(out), **acc}
     metrics = f"{auc_text(acc, 6)} logloss {acc['logloss']:.6f} on " if acc else ""
     return (summary, f"{metrics}{len(probs):,} records ({rejected:,} rejected): {rows}, lines "
-                     f"{start:,}-{end:,} of {source}; model {scorer.version}; probabilities in {out}")
+                     f"{start:,}-{end:,} of {source}; model {scorer.version}; probabilities in {out}, "
+                     f"one per line read{' (nan: did not decode)' if rejected else ''}")

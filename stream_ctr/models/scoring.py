@@ -133,10 +133,12 @@ def probabilities(model: torch.nn.Module, rows_of: Callable[[torch.Tensor], torc
 
 def score_file(score: Callable[[Batch], np.ndarray], path: str | Path, fmt, start: int = 0,
                stop: int | None = None, chunk_records: int = 65536,
-               rejected: Counter[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
+               rejected: Counter[str] | None = None,
+               offsets: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(probabilities, labels) of data lines [start, stop) of a file, `score` applied a
     chunk at a time. Lines that do not decode are skipped, as training skips them;
-    `rejected` (if given) counts them by reason."""
+    `rejected` (if given) counts them by reason; `offsets` (if given) receives the data
+    line of each probability, a chunk's array at a time."""
     probs, labels = [], []
     rejected = Counter() if rejected is None else rejected
     with FileSource(path, fmt, start_offset=start, chunk_records=chunk_records, stop_offset=stop) as src:
@@ -146,6 +148,8 @@ def score_file(score: Callable[[Batch], np.ndarray], path: str | Path, fmt, star
             if len(chunk):
                 probs.append(score(chunk))
                 labels.append(chunk.labels)
+                if offsets is not None:
+                    offsets.append(np.asarray(chunk.offset, np.int64))
     if not probs:
         return np.zeros(0, np.float32), np.zeros(0, np.float32)
     return np.concatenate(probs), np.concatenate(labels)

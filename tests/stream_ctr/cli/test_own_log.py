@@ -155,6 +155,14 @@ def test_eval_and_train_say_how_many_records_did_not_decode(ad_log, tmp_path):
     assert "50 records did not decode and were not scored (not_an_object 50)" in out.stdout
     out = run("eval", run_dir, "--start", "100", "--stop", "50")
     assert out.returncode == 2 and "need 0 <= start <= stop" in out.stderr, out.stderr
+    # predict writes one value per line read, nan where a line did not decode: row i is line i
+    assert run("export", run_dir, "--out", tmp_path / "bundle", "--quiet").returncode == 0
+    predicted = last_json(run("predict", tmp_path / "bundle", f"json:{mixed}", "--all", "--out",
+                              tmp_path / "p.npy", "--json", "--quiet"))
+    assert (predicted["records"], predicted["rejected"]) == (400, 50)
+    p = np.load(tmp_path / "p.npy")
+    assert p.shape == (450,) and np.isnan(p[300:350]).all() and not np.isnan(p[:300]).any()
+    assert not np.isnan(p[350:]).any()
 
 
 @pytest.mark.parametrize("args, needle, code", [
