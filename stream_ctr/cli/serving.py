@@ -315,7 +315,8 @@ def cmd_predict(args: argparse.Namespace) -> tuple[dict, str]:
     out = Path(args.out)
     if not out.parent.is_dir():          # before scoring, not after it
         raise ConfigError(f"--out {out}: the directory {out.parent} does not exist")
-    probs, labels, rejected, lines = score_file(scorer, path, fmt, start, stop, args.chunk_records)
+    offsets: list[np.ndarray] = []
+    probs, labels, rejected = score_file(scorer, path, fmt, start, stop, args.chunk_records, offsets)
     if rejected and not len(probs):
         raise SourceError(f"none of the {rejected:,} records of {source} (lines {start:,}-) decoded "
                           f"under the bundle's {fmt.name or 'schema'} layout: is it the layout the run "
@@ -324,7 +325,8 @@ def cmd_predict(args: argparse.Namespace) -> tuple[dict, str]:
     # One value per line read, NaN where the line did not decode: the output lines up
     # with the input (row i of the output is data line start + i).
     per_line = np.full(end - start, np.nan, np.float32)
-    per_line[lines - start] = probs
+    if len(probs):
+        per_line[np.concatenate(offsets) - start] = probs
     if out.suffix == ".npy":
         np.save(out, per_line)
     else:

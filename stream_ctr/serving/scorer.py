@@ -97,13 +97,11 @@ class Scorer:
 
 
 def score_file(scorer: Scorer, path: str | Path, fmt: RecordFormat, start: int = 0,
-               stop: int | None = None, chunk_records: int = 65536
-               ) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
-    """(probabilities, labels, rejected lines, data line of each probability) of data
-    lines [start, stop) of a file. Lines that do not decode are skipped (and counted),
-    as training skips them."""
+               stop: int | None = None, chunk_records: int = 65536,
+               offsets: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """(probabilities, labels, rejected lines) of data lines [start, stop) of a file.
+    Lines that do not decode are skipped (and counted), as training skips them;
+    `offsets` (if given) receives the data line of each probability, an array a chunk."""
     rejected: Counter[str] = Counter()
-    offsets: list[np.ndarray] = []
     probs, labels = score_source(scorer.score, path, fmt, start, stop, chunk_records, rejected, offsets)
-    lines = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)
-    return probs, labels, sum(rejected.values()), lines
+    return probs, labels, sum(rejected.values())
