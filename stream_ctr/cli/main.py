@@ -684,8 +684,9 @@ def _exit_status(e: Exception, args: argparse.Namespace) -> int | None:
         return EXIT_STATE
     if isinstance(e, OSError):            # a run directory that cannot be written, a full disk
         if e.errno == errno.EADDRINUSE:
-            print(f"stream-ctr: error: the port is in use ({e.strerror}): pick another --port "
-                  "(0: any free one)", file=sys.stderr)
+            fix = ("pick another --metrics-port (0 turns the endpoint off)" if args.command == "train"
+                   else "pick another --port (0: any free one)")
+            print(f"stream-ctr: error: the port is in use ({e.strerror}): {fix}", file=sys.stderr)
             return EXIT_USAGE
         where = f" {e.filename}" if e.filename else ""
         if e.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -97,3 +97,31 @@ def test_a_full_store_disk_during_a_tier_flush_stops_cleanly_and_the_run_resumes
     summary = json.loads(resumed.stdout)
     assert summary["records_trained_total"] == SAMPLE_TRAIN_RECORDS
     assert summary["records_trained"] == SAMPLE_TRAIN_RECORDS - step * 64
+
+
+def test_a_full_run_directory_names_the_dead_letter_file_and_every_reject_is_written_once(
+        tmp_path, small_disk):
+    """The run directory (dead letters, time series) on the small disk, checkpoints elsewhere:
+    malformed lines of 1.5 KB fill it. One line names the file and the bytes free; after
+    space is freed the resume writes each rejected line exactly once."""
+    import gzip
+    from stream_ctr.connectors.files import SAMPLE_PATHS
+    good = gzip.open(SAMPLE_PATHS["criteo"]).read().split(b"\n")[:3000]
+    data = tmp_path / "clicks.tsv"
+    data.write_bytes(b"".join(line + b"\n" + b"1\tbad\t" + b"z" * 1500 + b"\n" for line in good))
+    run_dir = small_disk / "run"
+    args = ["--holdout-fraction", "0", "--batch-size", "256", "--checkpoint-every", "2",
+            "--set", f"train.checkpoint_dir={tmp_path / 'ckpts'}"]
+    # filler leaves ~2 MiB: the dead letters of 6,000 lines (~10 MiB) cannot fit
+    (small_disk / "filler").write_bytes(b"\0" * (18 << 20))
+    first = _train(f"criteo:{data}", "--run-dir", str(run_dir), *args)
+    assert first.returncode == 4, first.stderr
+    error = [l for l in first.stderr.splitlines() if l.strip()][-1]
+    assert error.startswith(f"stream-ctr: error: the disk is full writing {run_dir}"), error
+    assert "bytes free there" in error and "--resume RUN_DIR" in error
+    (small_disk / "filler").unlink()
+    resumed = _train(f"criteo:{data}", "--resume", str(run_dir), *args[:2])
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["records_trained_total"] == 3000
+    lines = [json.loads(l)["line"] for l in (run_dir / "dead_letter.jsonl").read_text().splitlines()]
+    assert sorted(lines) == list(range(2, 6001, 2))         # each malformed line once
