@@ -286,6 +286,7 @@ def _lines(args: argparse.Namespace, run: dict, path: Path) -> tuple[int, int | 
 
 def cmd_predict(args: argparse.Namespace) -> tuple[dict, str]:
     from stream_ctr.connectors.files import detect_format
+    from stream_ctr.connectors.schema import parse_schema
     from stream_ctr.serving.bundle import read_bundle
     from stream_ctr.serving.scorer import Scorer, score_file
     from stream_ctr.train.evaluation import accuracy
@@ -305,8 +306,10 @@ def cmd_predict(args: argparse.Namespace) -> tuple[dict, str]:
     run = bundle.manifest["run"]
     source = args.source or run["source"]
     if "://" in source:
+        schema = bundle.manifest["record_format"].get("schema", "")
+        prefix = parse_schema(schema).encoding if schema else bundle.manifest["record_format"]["name"]
         raise ConfigError(f"the bundle's run trained on a stream ({source}); name a file to score: "
-                          "stream-ctr predict BUNDLE criteo:PATH --out FILE")
+                          f"stream-ctr predict BUNDLE {prefix}:PATH --out FILE")
     fmt, path = detect_format(source, bundle.manifest["record_format"].get("schema", ""))
     if fmt.name != bundle.manifest["record_format"]["name"]:
         raise ConfigError(f"the bundle's model takes {bundle.manifest['record_format']['name']} records, "

@@ -9,7 +9,8 @@
   such lines (strings) or, for a JSON schema, of objects. Records are the
   bundle's training format without a header. Criteo/Avazu lines keep their
   label column (any valid label, e.g. 0; it is ignored); under a declared
-  schema the label may be left out.
+  JSON schema the label, the weight and the event time (unless a time_part
+  feature reads it) are not read: leave them out or send anything.
 * **Bad records** make the whole request a 400 whose message names each bad
   record (0-based index in the request, reason, detail; the first 20): a client
   sends records it built, so a bad one is a bug to fix, not a row to skip.
@@ -40,7 +41,8 @@ import orjson
 from stream_ctr.connectors.batch import Batch, Rejected
 from stream_ctr.connectors.decode import decode_lines
 from stream_ctr.connectors.formats import RecordFormat, format_by_name
-from stream_ctr.connectors.schema import Schema, parse_schema
+from stream_ctr.connectors.schema import (EventTimeField, LabelField, Schema, TimePartField, WeightField,
+                                          parse_schema)
 from stream_ctr.connectors.schema_decode import decode_records
 from stream_ctr.serving.bundle import Bundle
 from stream_ctr.serving.metrics import ModelStatus, ServingMetrics
@@ -68,17 +70,34 @@ def bundle_layout(bundle: Bundle) -> RecordFormat | Schema:
     """The record layout the bundle's model takes: its declared schema, else its named format."""
     rf = bundle.manifest["record_format"]
     if rf.get("schema"):
-        return without_label(parse_schema(rf["schema"], origin=f"{bundle.path}/manifest.json schema"))
+        return for_scoring(parse_schema(rf["schema"], origin=f"{bundle.path}/manifest.json schema"))
     return format_by_name(rf["name"])
 
 
-def without_label(schema: Schema) -> Schema:
-    """`schema` with a default for its label: a record to score need not carry one."""
-    label = schema.label
-    if label.default is not None:
-        return schema
-    return dataclasses.replace(schema, fields=tuple(dataclasses.replace(f, default=0) if f is label else f
-                                                    for f in schema.fields))
+# A path no record holds: a field the server does not read decodes to its default.
+UNREAD_PATH = "__stream_ctr_not_read_when_scoring__"
+
+
+def for_scoring(schema: Schema) -> Schema:
+    """`schema` as the server reads a request: the label and the weight (outcomes, unknown
+    when scoring) and the event time (unless a time_part feature is computed from it)
+    are not read, so a request may leave them out or carry anything there. A csv
+    record's columns are positional: there the label may be left empty (it defaults to 0)."""
+    if schema.encoding != "json":
+        return dataclasses.replace(schema, fields=tuple(
+            dataclasses.replace(f, default=0) if isinstance(f, LabelField) and f.default is None else f
+            for f in schema.fields))
+    uses_time = any(isinstance(f, TimePartField) for f in schema.fields)
+
+    def unread(f):
+        if isinstance(f, LabelField):
+            return dataclasses.replace(f, path=UNREAD_PATH, default=0, threshold=None)
+        if isinstance(f, WeightField):
+            return dataclasses.replace(f, path=UNREAD_PATH, default=1.0)
+        if isinstance(f, EventTimeField) and not uses_time:
+            return dataclasses.replace(f, path=UNREAD_PATH, default=0, unit="ms", format="")
+        return f
+    return dataclasses.replace(schema, fields=tuple(unread(f) for f in schema.fields))
 
 
 def parse_body(body: bytes, content_type: str, layout: RecordFormat | Schema) -> bytes:

@@ -32,7 +32,7 @@ from stream_ctr.telemetry.progress import Progress
 from stream_ctr.train.batches import StopSignal
 from stream_ctr.connectors.kafka.client import StreamGone
 from stream_ctr.train.inputs import FileInput, KafkaInput, Ready, Revoked, held_out_start
-from stream_ctr.train.streaming import open_dead_letter, source_format, stream_url
+from stream_ctr.train.streaming import file_prefix, open_dead_letter, source_format, stream_url
 from stream_ctr.store import resume_store_config
 from stream_ctr.threads import ThreadChoice, choose_threads
 from stream_ctr.train.trainer import Trainer, resolve_device
@@ -639,8 +639,8 @@ def evaluate_checkpoint(state: CheckpointState, checkpoint: str, source: str | N
     own = cfg.data.source
     if source is None:
         if own.lower().startswith("kafka://"):
-            raise ConfigError(f"the run of {checkpoint} trained on a Kafka topic ({own}); "
-                              "name a file to score: stream-ctr eval RUN_DIR criteo:PATH")
+            raise ConfigError(f"the run of {checkpoint} trained on a Kafka topic ({own}); name a file "
+                              f"to score: stream-ctr eval RUN_DIR {file_prefix(source_format(cfg))}:PATH")
         source = own
     fmt, path = detect_format(source, schema or cfg.data.schema)
     saved_fmt = source_format(cfg)

@@ -105,6 +105,11 @@ def source_format(cfg: Config) -> RecordFormat | Schema:
     return declared_schema(cfg) or url.options.record_format
 
 
+def file_prefix(fmt: RecordFormat | Schema) -> str:
+    """What names a file of `fmt` on the command line: criteo:, avazu:, json:, csv:."""
+    return fmt.encoding if isinstance(fmt, Schema) else fmt.name
+
+
 def declared_schema(cfg: Config) -> Schema | None:
     """data.schema parsed (it was validated when set), or None."""
     return parse_schema(cfg.data.schema) if cfg.data.schema.strip() else None

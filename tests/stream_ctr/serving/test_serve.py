@@ -297,13 +297,15 @@ def test_a_json_schema_bundle_takes_objects_or_lines(tmp_path):
     the label may be left out, and a record missing a feature is named with the field."""
     from stream_ctr.connectors.schema import parse_schema
     from stream_ctr.connectors.synth_json import AD_LOG_SCHEMA, write_synthetic_json
-    from stream_ctr.serving.predictor import decode_request, parse_body, without_label
-    schema = without_label(parse_schema(AD_LOG_SCHEMA))
+    from stream_ctr.serving.predictor import decode_request, parse_body, for_scoring
+    schema = for_scoring(parse_schema(AD_LOG_SCHEMA))
     write_synthetic_json(tmp_path / "log.jsonl", 20, write_probs=False)
     lines = (tmp_path / "log.jsonl").read_bytes().splitlines()
     objects = [json.loads(x) for x in lines]
     for o in objects[::2]:
         del o["clicked"]                                    # no label: still a record to score
+    objects[1]["clicked"] = "maybe"                         # nor is a label read when there is one
+    del objects[3]["ts"]                                    # the event time is no model input here
     as_objects = decode_request(parse_body(json.dumps(objects).encode(), "application/json", schema), schema)
     as_lines = decode_request(parse_body(b"\n".join(lines), "application/x-ndjson", schema), schema)
     assert len(as_objects) == 20 and np.array_equal(as_objects.keys, as_lines.keys)
