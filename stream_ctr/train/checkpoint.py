@@ -261,6 +261,16 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"{p} holds a distributed job's checkpoint (stream_ctr/distributed/job_checkpoint.py): "
                               "resume it with the same number of ranks, e.g. torchrun "
                               "--nproc-per-node=N -m stream_ctr train --resume ...")
+    lock = p / ".lock"                  # run_dir.LOCK_FILE: a run directory before its first checkpoint
+    if lock.exists() or (p / "timeseries.jsonl").exists():
+        try:
+            pid = json.loads(lock.read_text() or "{}").get("pid")
+        except (OSError, ValueError):
+            pid = None
+        running = f" (its trainer, PID {pid}, may still be running)" if pid else ""
+        raise CheckpointError(f"no checkpoint yet in the run directory {p}{running}: a run writes one "
+                              "every train.checkpoint_every_batches batches and at its end; wait for it, "
+                              "or, if the run failed before its first, train it again")
     raise CheckpointError(f"no checkpoint at {p}: expected a checkpoint directory "
                           "(with manifest.json), a checkpoint root (with LATEST) or a run directory")
 

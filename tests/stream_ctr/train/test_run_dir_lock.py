@@ -131,3 +131,14 @@ def test_resuming_through_runs_latest_owns_the_run_it_points_at(tmp_path, monkey
         assert (cfg.train.run_dir, owner.resume) == ("runs/a", "runs/a/checkpoints")
         assert json.loads((tmp_path / "runs" / "a" / ".lock").read_text())["pid"] == os.getpid()
     assert not (tmp_path / "runs" / "a" / ".lock").exists()
+
+
+def test_eval_of_a_run_that_has_not_checkpointed_yet_says_so(tmp_path):
+    run_dir = tmp_path / "run"
+    holder = DirLock.take(run_dir, "run directory", "pick another --run-dir")   # a trainer starting
+    try:
+        out = subprocess.run(CLI + ["eval", str(run_dir)], capture_output=True, text=True, timeout=120)
+    finally:
+        holder.release()
+    assert out.returncode == EXIT_STATE, out.stderr
+    assert f"no checkpoint yet in the run directory {run_dir} (its trainer, PID {os.getpid()}" in out.stderr
