@@ -126,8 +126,15 @@ def open_dead_letter(cfg: Config, url: KafkaUrl | None, resumed: dict | None) ->
         topic = url.options.dead_letter_topic.replace("{topic}", url.topics[0])
         sink = KafkaDeadLetter(url, topic, cfg.data.dead_letter_max_bytes)
     else:
-        sink = DeadLetterFile(cfg.data.dead_letter_path or Path(cfg.train.run_dir) / "dead_letter.jsonl",
-                              cfg.data.dead_letter_max_bytes)
+        path = cfg.data.dead_letter_path or Path(cfg.train.run_dir) / "dead_letter.jsonl"
+        try:
+            sink = DeadLetterFile(path, cfg.data.dead_letter_max_bytes)
+        except OSError as e:
+            if not cfg.data.dead_letter_path:
+                raise
+            raise ConfigError(f"data.dead_letter_path = {path}: cannot write there ({e.strerror}); "
+                              "name a file in a writable directory, or leave it unset "
+                              "(RUN_DIR/dead_letter.jsonl)") from None
     try:
         if resumed is None:
             mark = start_mark(Path(cfg.train.run_dir), sink)

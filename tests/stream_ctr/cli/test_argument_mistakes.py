@@ -49,3 +49,12 @@ def test_skipped_batches_and_a_stop_by_signal_are_said(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "batches were not trained: their loss was not finite" in out.stderr, out.stderr
     assert "stream_ctr_batches_skipped_total" in out.stderr
+
+
+def test_a_dead_letter_path_that_cannot_be_written_names_the_option(tmp_path):
+    (tmp_path / "afile").write_text("")
+    out = subprocess.run(CLI + ["train", "--run-dir", str(tmp_path / "r"), "--limit", "10", "--quiet",
+                                "--set", f"data.dead_letter_path={tmp_path / 'afile' / 'dl.jsonl'}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "data.dead_letter_path = " in out.stderr, out.stderr
+    assert "cannot write there" in out.stderr
