@@ -350,17 +350,23 @@ class Run:
         nothing and rejected every record it read: a schema, encoding or source that does
         not fit the data (a JSON schema on a TSV file, a path that never matches). The
         resume point stays where it was, so a corrected rerun reads those records again;
-        the dead-letter file keeps this attempt's rejects for diagnosis."""
+        the dead-letter file keeps this attempt's rejects for diagnosis, and a rerun with
+        --resume of a run without a checkpoint moves them aside (run_dir.set_aside_attempt)."""
         counts = self.dead_letter.counts
         if self.summary.records_trained or not counts:
             return
+        # Run without a checkpoint: the rerun sets this attempt's files aside (set_aside_attempt).
+        moved = ("; that run moves them to a no-checkpoint-* folder in it"
+                 if not self.total_before
+                 and str(self.dead_letter.path) == str(Path(self.cfg.train.run_dir) / "dead_letter.jsonl")
+                 else "")
         raise SourceError(
             f"every record read from {self.cfg.data.source} was rejected "
             f"({sum(counts.values()):,}; {rejection_note(counts)}), nothing trained: the "
             f"schema or source does not fit the data. Nothing was checkpointed: fix the "
             f"schema or source and run again, with --resume {self.cfg.train.run_dir} to keep "
             f"this run directory (the rejects, with each record's field and value, are in "
-            f"{self.dead_letter.path})")
+            f"{self.dead_letter.path}{moved})")
 
     def finish(self, seconds: float) -> RunSummary:
         s = self.summary
@@ -472,7 +478,8 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
         if starting_over:
             aside = owner.set_aside
             print(f"stream-ctr: no checkpoint in {resume} yet: starting a new run in {cfg.train.run_dir}"
-                  + (f" (the earlier attempt's time series moved to {aside})" if aside else ""),
+                  + (f" (what the earlier attempt wrote, its time series and dead letters, moved to {aside})"
+                 if aside else ""),
                   file=sys.stderr, flush=True)
         return _train(cfg, owner.resume, show_progress)
 
