@@ -153,6 +153,9 @@ class FileInput:
     def __init__(self, cfg: Config, processes_per_host: int = 1, stripe: tuple[int, int] = (0, 1)) -> None:
         self.cfg = cfg
         self.fmt, self.path = detect_format(cfg.data.source, cfg.data.schema)
+        # Appending to a file being trained is not supported (`changed_note` says why):
+        # its size before it is counted tells a run that it changed under it.
+        self.size_at_start = _file_size(self.path)
         # (the fingerprint: what a resume checks the file against, see `restore`)
         self.n_total, self.damage, self.fingerprint = survey_file(self.path, self.fmt)
         self.train_end = held_out_start(self.n_total, cfg.data.holdout_fraction)
@@ -161,6 +164,7 @@ class FileInput:
         self.source: FileSource | StripedSource | ReadAhead | None = None    # the pass's reader
         self.at_damage = False
         self.another_file = False       # a resume on a file other than the checkpoint's
+        self.grew_since = False         # the checkpoint's file holds more data now
         self._line = 0                  # the next line to train in this pass
 
     # A file needs no polling while a rank waits for its peers, and no positions from them.
@@ -210,6 +214,8 @@ class FileInput:
                    "truncated or changed")
         if why:
             raise self.changed_error(why, done)
+        self.grew_since = bool(position.fingerprint and self.fingerprint
+                               and self.fingerprint.size > position.fingerprint.size)
         if done > self.train_end:
             raise ConfigError(
                 f"--resume {resume}: the run already trained {self.path.name} up to line "
@@ -302,9 +308,31 @@ class FileInput:
         if epoch < self.cfg.data.epochs or self.at_damage or self.empty:
             return ""
         passes = f"{epoch} pass{'es' if epoch != 1 else ''}"
-        return (f"the run finished its {passes} over {self.path.name}: nothing left to train; raise "
+        grew = (" (it grew since the checkpoint: lines appended to a file after its passes are not "
+                "trained, see docs/training.md)" if self.grew_since else "")
+        return (f"the run finished its {passes} over {self.path.name}{grew}: nothing left to train; raise "
                 f"--epochs (data.epochs = {self.cfg.data.epochs}) to train more passes, or name another "
                 "file to continue the run on it")
+
+    def changed_note(self) -> str:
+        """A warning when the file's size changed while this run trained it ("" if not).
+
+        Appending to a file being trained is not supported: a run's passes end at the
+        lines it counted when it started (they also place the holdout), so lines
+        appended later are not trained by it, and a last line still being written when
+        the reader reached it (no newline yet) is read as it was then: a record cut
+        short, dead-lettered, its completion never trained. Whether a last line without
+        a newline is finished cannot be told from the file (many files simply end so),
+        so nothing is held back: the run says what happened instead."""
+        now = _file_size(self.path)
+        if now is None or self.size_at_start is None or now == self.size_at_start:
+            return ""
+        how = "grew" if now > self.size_at_start else "changed size"
+        return (f"stream-ctr: warning: {self.path} {how} while this run trained it ({self.size_at_start:,} "
+                f"-> {now:,} bytes): the run trained the {self.n_total:,} lines it counted at its start, "
+                "and a last line being written then may have been dead-lettered incomplete; appending "
+                "to a file being trained is not supported: feed a growing log through a Kafka topic "
+                "(docs/kafka.md), or train each file once it is complete (docs/training.md)")
 
     def lag(self, epoch: int) -> dict[str, int]:
         """Records of the training range not yet trained."""
@@ -326,6 +354,13 @@ class FileInput:
         if self.source is not None:
             self.source.close()
         return {}
+
+
+def _file_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 class KafkaInput:
@@ -399,6 +434,10 @@ class KafkaInput:
 
     def finished(self, epoch: int) -> str:
         """A stream is never finished."""
+        return ""
+
+    def changed_note(self) -> str:
+        """A topic grows by design."""
         return ""
 
     def open(self) -> "KafkaSource":

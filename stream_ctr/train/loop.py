@@ -543,6 +543,9 @@ def _train(cfg: Config, resume: str | None, show_progress: bool) -> RunSummary:
         run.refuse_if_nothing_decoded()
         run.checkpoint()
         run.summary.stopped = stop.requested
+        changed = run.input.changed_note()      # a file appended to while it trained
+        if changed:
+            print(changed, file=sys.stderr, flush=True)
     summary = run.finish(progress.elapsed_s())
     summary.empty_source = str(run.input.path) if run.empty else ""
     if run.input.at_damage:             # after the checkpoint: nothing trained is lost

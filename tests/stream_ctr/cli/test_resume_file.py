@@ -9,6 +9,7 @@ import gzip
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -114,3 +115,56 @@ def test_a_checkpoint_without_a_fingerprint_resumes_unchecked(lines, tmp_path):
         FileInput(cfg).restore({"file:clicks.tsv": 2000}, "run", cfg,
                                {"name": "clicks.tsv", "head_sha256": "0" * 64, "head_bytes": 65536,
                                 "size": 10})
+
+
+# A trainer that waits after its first step until GO exists (STARTED says it got there),
+# so a test can change the file while the run trains it, with no timing.
+HOLD_DRIVER = r"""
+import os, sys, time
+started, go = sys.argv[1], sys.argv[2]
+import stream_ctr.train.trainer as trainer
+step = trainer.Trainer.train_step
+def train_step(self, *args, **kwargs):
+    result = step(self, *args, **kwargs)
+    if not os.path.exists(started):
+        open(started, "w").close()
+        while not os.path.exists(go):
+            time.sleep(0.05)
+    return result
+trainer.Trainer.train_step = train_step
+from stream_ctr.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def test_appending_to_a_file_being_trained_is_not_supported_and_the_run_says_so(lines, tmp_path):
+    """The run trains the lines it counted at its start; a last line still being written
+    then is read as it was (one field_count reject); the run warns, naming Kafka for a
+    growing log, and a resume of the finished run says the file grew since."""
+    clicks, run_dir = tmp_path / "clicks.tsv", tmp_path / "run"
+    half = lines[2000][:10]
+    clicks.write_bytes(text(lines[:2000]) + half)          # the writer is inside line 2,001
+    started, go = tmp_path / "started", tmp_path / "go"
+    child = subprocess.Popen([sys.executable, "-c", HOLD_DRIVER, str(started), str(go), "train",
+                              f"criteo:{clicks}", "--run-dir", str(run_dir), "--json", *SMALL],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(6000):                               # (a wait, bounded; no timing asserted)
+            if started.exists() or child.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert started.exists(), child.communicate(timeout=60)[1]
+        with open(clicks, "ab") as f:                       # the line completed, more appended
+            f.write(lines[2000][10:] + b"\n" + text(lines[2001:2500]))
+        go.touch()
+        out, err = child.communicate(timeout=300)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert child.returncode == 0, err
+    s = json.loads(out.strip().splitlines()[-1])
+    assert s["records_trained"] == 2000 and s["rejected_by_reason"] == {"field_count": 1}
+    assert f"{clicks} grew while this run trained it" in err and "through a Kafka topic" in err, err
+    out = run("train", "--resume", run_dir, *SMALL)
+    assert out.returncode == 0 and "finished its 1 pass over clicks.tsv (it grew since" in out.stderr, out.stderr
