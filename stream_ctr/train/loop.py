@@ -492,8 +492,8 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
         if starting_over:
             aside = owner.set_aside
             print(f"stream-ctr: no checkpoint in {resume} yet: starting a new run in {cfg.train.run_dir}"
-                  + (f" (what the earlier attempt wrote, its time series and dead letters, moved to {aside})"
-                 if aside else ""),
+                  + (f" (what the earlier attempt wrote, its time series and dead letters, moved to "
+                     f"{aside})" if aside else ""),
                   file=sys.stderr, flush=True)
         return _train(cfg, owner.resume, show_progress)
 
@@ -561,7 +561,7 @@ def finished_run(run: Run) -> RunSummary:
     more, deleting an older), and the summary scores the held-out tail as before. Not
     an error: a supervisor that restarts a finished run must not loop on failures."""
     print(f"stream-ctr: {run.finished}", file=sys.stderr, flush=True)
-    with run:
+    with run:               # (its exit closes the input, as at the end of a run that trained)
         pass
     summary = run.finish(0.0)
     summary.already_finished = run.finished
