@@ -270,11 +270,18 @@ class ExactlyOnceDeadLetter:
         self.close()
 
 
+def dead_letter_start_name(sink: str | Path) -> str:
+    """The name of the start-mark file of the sink named `sink` (a file's resolved path,
+    or a topic's name), in the run directory."""
+    name = str(Path(sink).resolve()) if isinstance(sink, Path) else sink
+    return DEAD_LETTER_START.format(sink=hashlib.sha256(name.encode()).hexdigest()[:16])
+
+
 def start_mark(run_dir: Path, sink) -> DeadLetterMark:
     """The mark of a run's start, for a run without a checkpoint: the one an earlier
     attempt of this run (killed before its first checkpoint) left in `run_dir`, else
     the sink's end now, left there for a later attempt."""
-    path = Path(run_dir) / DEAD_LETTER_START.format(sink=hashlib.sha256(sink.name.encode()).hexdigest()[:16])
+    path = Path(run_dir) / dead_letter_start_name(sink.name)
     try:
         mark = DeadLetterMark.from_dict(json.loads(path.read_text()))
         if mark is not None and mark.sink == sink.name:

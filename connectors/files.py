@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
 import io
 import os
 import zlib
@@ -385,17 +386,32 @@ class RawChunk:
 @dataclasses.dataclass(frozen=True)
 class FilePosition:
     """Where a pass over a file stands: `line`, the data-line offset of the next record
-    to train in file `file` (a basename: a file moved to another directory resumes).
-    A checkpoint stores it as `to_checkpoint()`: {"file:NAME": line}, {} at a pass's start."""
+    to train in file `file` (a basename: a file moved to another directory resumes),
+    and `fingerprint`, what that file's data was when the run counted it (None from a
+    checkpoint of an older version, which resumes unchecked).
+
+    A checkpoint stores `to_checkpoint()`, {"file:NAME": line} ({} at a pass's start),
+    among its positions, and `file_record()`, the file's name and fingerprint, beside
+    them (a checkpoint's positions are offsets only: `Positions`)."""
     file: str
     line: int = 0
+    fingerprint: "FileFingerprint | None" = None
 
     def to_checkpoint(self) -> dict[str, int]:
         return {f"file:{self.file}": self.line} if self.line else {}
 
+    def file_record(self) -> dict[str, object]:
+        """The file's name and fingerprint, as a checkpoint stores them."""
+        return {"name": self.file, **(self.fingerprint.as_dict() if self.fingerprint else {})}
+
     @classmethod
-    def from_checkpoint(cls, positions: dict[str, int], file: str) -> "FilePosition":
-        return cls(file, int(positions.get(f"file:{file}", 0)))
+    def from_checkpoint(cls, positions: dict[str, int], file: str,
+                        record: dict | None = None) -> "FilePosition":
+        """The position in `file` of a checkpoint's positions and `file_record()` (the
+        fingerprint only when the record is of a file of that name)."""
+        named = isinstance(record, dict) and record.get("name") == file
+        return cls(file, int(positions.get(f"file:{file}", 0)),
+                   FileFingerprint.from_dict(record) if named else None)
 
 
 class FileSource:
@@ -547,7 +563,80 @@ def count_readable(path: str | Path, fmt: Layout,
     an I/O error), the number of complete lines before the damage -- exactly those a
     `FileSource` returns before it raises -- and the `DamagedFile` it raises then.
     A holdout taken from the end of a damaged file is the tail of its readable lines."""
+    lines, damage, _ = survey_file(path, fmt, read_bytes)
+    return lines, damage
+
+
+FINGERPRINT_HEAD_BYTES = 64 << 10      # of a file's data, hashed to recognise it on resume
+
+
+@dataclasses.dataclass(frozen=True)
+class FileFingerprint:
+    """What recognises a file's data when a run resumes on it: the SHA-256
+    (`head_sha256`) of its first `head_bytes` bytes of data (FINGERPRINT_HEAD_BYTES,
+    or all of a smaller file's) and `size`, its bytes of data when the run counted its
+    lines. Data is what the reader sees: a gzip file's decompressed bytes (recompressing
+    it changes nothing here), the readable bytes before any damage.
+
+    A file that only grew (lines appended, a repaired copy of a damaged one) holds the
+    same first bytes and at least `size`: it is the same file. Anything else is another
+    file under the same name, or this one truncated (`changed_in`)."""
+    head_sha256: str
+    head_bytes: int
+    size: int
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: object) -> "FileFingerprint | None":
+        """A checkpoint's fingerprint; None when it has none (written by an older version)."""
+        try:
+            return cls(str(raw["head_sha256"]), int(raw["head_bytes"]), int(raw["size"]))
+        except (TypeError, KeyError, ValueError):
+            return None
+
+    def changed_in(self, path: str | Path, now: "FileFingerprint") -> str:
+        """Why the file at `path`, whose fingerprint is now `now`, is not the one this
+        fingerprint was taken of ("" when it is, maybe grown): its first bytes differ,
+        or it holds fewer bytes of data."""
+        if now.size < self.head_bytes or head_sha256(path, self.head_bytes) != self.head_sha256:
+            return f"its first {_kib(self.head_bytes)} differ"
+        if now.size < self.size:
+            return (f"it holds {now.size:,} bytes of data, fewer than the {self.size:,} the run "
+                    "counted: it was truncated or changed")
+        return ""
+
+
+def _kib(n: int) -> str:
+    return f"{n // 1024:,} KiB" if n % 1024 == 0 else f"{n:,} bytes"
+
+
+def head_sha256(path: str | Path, n: int) -> str:
+    """The SHA-256 of the first `n` bytes of the file's data (fewer if it holds fewer;
+    those before any damage)."""
+    digest, left = hashlib.sha256(), n
+    with open_raw(path) as stream:
+        while left > 0:
+            try:
+                chunk = stream.read(min(left, READ_BYTES))
+            except READ_ERRORS:
+                break
+            if not chunk:
+                break
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest.hexdigest()
+
+
+def survey_file(path: str | Path, fmt: Layout,
+                read_bytes: int = READ_BYTES) -> tuple[int, DamagedFile | None, FileFingerprint | None]:
+    """`count_readable`'s (data lines, damage), and the file's `FileFingerprint`, in one
+    read of the file. No fingerprint (None) for a gzip whose checksum failed: the bytes
+    before the failure may be garbled, so the repaired file, which a resume of it goes
+    on with, may differ from them."""
     n_lines, tail, failure = 0, 0, None       # tail: bytes after the last LF
+    size, head = 0, hashlib.sha256()
     with open_raw(path) as stream:
         while True:
             try:
@@ -557,13 +646,19 @@ def count_readable(path: str | Path, fmt: Layout,
                 break
             if not chunk:
                 break
+            if size < FINGERPRINT_HEAD_BYTES:
+                head.update(chunk[:FINGERPRINT_HEAD_BYTES - size])
+            size += len(chunk)
             n_lf = chunk.count(b"\n")
             n_lines += n_lf
             tail = len(chunk) - 1 - chunk.rfind(b"\n") if n_lf else tail + len(chunk)
+    fingerprint = FileFingerprint(head.hexdigest(), min(size, FINGERPRINT_HEAD_BYTES), size)
+    if isinstance(failure, GzipDamage) and failure.kind == "corrupt":
+        fingerprint = None
     if failure is None:
-        return max(n_lines + (tail > 0) - int(bool(fmt.has_header)), 0), None
+        return max(n_lines + (tail > 0) - int(bool(fmt.has_header)), 0), None, fingerprint
     lines = max(n_lines - int(bool(fmt.has_header)), 0)
-    return lines, DamagedFile(path, lines, damage_cause(failure, lines), tail)
+    return lines, DamagedFile(path, lines, damage_cause(failure, lines), tail), fingerprint
 
 
 def detect_format(spec: str, schema: Schema | str | None = None) -> tuple[Layout, Path]:
@@ -607,6 +702,18 @@ def detect_format(spec: str, schema: Schema | str | None = None) -> tuple[Layout
         raise SourceError(f"no such file: {path} (from source {spec!r}; check the path, or use "
                           "criteo:sample / avazu:sample for the bundled samples)")
     return fmt, path
+
+
+def source_file_name(spec: str) -> str:
+    """The basename of the file a source spec names (as `detect_format` reads it, the
+    bundled samples' included), without looking at the file: what a checkpoint's
+    position is keyed by."""
+    prefix, colon, rest = spec.partition(":")
+    if colon and prefix.lower() in FORMATS:
+        return SAMPLE_PATHS[FORMATS[prefix.lower()].name].name if rest == "sample" else Path(rest).name
+    if colon and prefix.lower() in SCHEMA_ENCODINGS:
+        return Path(rest).name
+    return Path(spec).name
 
 
 def _as_schema(schema: Schema | str | None) -> Schema | None:

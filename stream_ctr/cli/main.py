@@ -448,9 +448,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     rejected = (f"{s.records_rejected:,} rejected: {rejection_note(s.rejected_by_reason)}; see "
                 f"{s.dead_letter_path}") if s.records_rejected else "0 rejected"
     scores = f"no records in {s.empty_source}" if s.empty_source else f"prequential {auc_text(s.window)}"
-    emit(args, s.as_dict(),
-         f"trained {s.records_trained:,} records ({rejected}) in "
-         f"{s.seconds:.1f} s, {s.samples_per_s:,.0f} samples/s; {scores}{test}; checkpoint {s.checkpoint}")
+    if s.already_finished:          # (the line before it, on stderr, says why and what trains more)
+        emit(args, s.as_dict(), f"trained 0 records: the run had finished its passes{test}; "
+                                f"checkpoint {s.checkpoint} (unchanged)")
+    else:
+        emit(args, s.as_dict(),
+             f"trained {s.records_trained:,} records ({rejected}) in "
+             f"{s.seconds:.1f} s, {s.samples_per_s:,.0f} samples/s; {scores}{test}; checkpoint {s.checkpoint}")
     if s.skipped_batches:       # their records were read but taught the model nothing
         print(f"stream-ctr: warning: {s.skipped_batches:,} of {s.batches:,} batches were not trained: their "
               "loss was not finite (NaN or inf; a learning rate too large for the data, or an extreme "

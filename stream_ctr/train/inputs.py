@@ -17,7 +17,9 @@ only this contract, never the kind of source:
   connectors/kafka/positions.py); a checkpoint stores their `to_checkpoint()`
   dict and `restore` (a resume) takes it back. Nothing else reads or writes
   that dict: the Kafka source, the commit and a job's position exchange take
-  the typed positions.
+  the typed positions. `source_record()` is what the checkpoint keeps beside
+  them to recognise the source on resume (a file's name and fingerprint; {} for
+  a topic), handed back to `restore`.
 - `commit()` after a durable checkpoint (Kafka: the group's offsets; a file has
   none); `owned(batch)` drops rows a rebalance took after the batch was handed
   out; `end_pass(completed)` after the iterator ends.
@@ -46,7 +48,10 @@ import numpy as np
 
 from stream_ctr.config import Config, ConfigError
 from stream_ctr.connectors.batch import Batch, Positions, Rejected
-from stream_ctr.connectors.files import DamagedFile, FilePosition, FileSource, count_readable, detect_format
+from stream_ctr.connectors.errors import SourceError
+from stream_ctr.connectors.files import (SCHEMA_ENCODINGS, DamagedFile, FilePosition, FileSource, detect_format,
+                                        source_file_name, survey_file)
+from stream_ctr.connectors.formats import FORMATS
 from stream_ctr.connectors.kafka.options import KafkaUrl
 from stream_ctr.connectors.kafka.positions import KafkaPositions, filter_partitions
 from stream_ctr.connectors.read_ahead import ReadAhead, decode_threads
@@ -148,12 +153,18 @@ class FileInput:
     def __init__(self, cfg: Config, processes_per_host: int = 1, stripe: tuple[int, int] = (0, 1)) -> None:
         self.cfg = cfg
         self.fmt, self.path = detect_format(cfg.data.source, cfg.data.schema)
-        self.n_total, self.damage = count_readable(self.path, self.fmt)
+        # Appending to a file being trained is not supported (`changed_note` says why):
+        # its size before it is counted tells a run that it changed under it.
+        self.size_at_start = _file_size(self.path)
+        # (the fingerprint: what a resume checks the file against, see `restore`)
+        self.n_total, self.damage, self.fingerprint = survey_file(self.path, self.fmt)
         self.train_end = held_out_start(self.n_total, cfg.data.holdout_fraction)
         self.key = f"file:{self.path.name}"
         self.processes_per_host, self.stripe = processes_per_host, stripe
         self.source: FileSource | StripedSource | ReadAhead | None = None    # the pass's reader
         self.at_damage = False
+        self.another_file = False       # a resume on a file other than the checkpoint's
+        self.grew_since = False         # the checkpoint's file holds more data now
         self._line = 0                  # the next line to train in this pass
 
     # A file needs no polling while a rank waits for its peers, and no positions from them.
@@ -178,10 +189,33 @@ class FileInput:
         """(file, first line, end) of the held-out tail, or None."""
         return (self.path, self.train_end, self.n_total) if self.train_end < self.n_total else None
 
-    def restore(self, positions: Positions, resume: str | None = None, saved: Config | None = None) -> None:
-        """Start at a checkpoint's positions; refuse a holdout that would now train lines the
-        run held out (`resume`, `saved`: the checkpoint and its config, for the message)."""
-        done = FilePosition.from_checkpoint(positions, self.path.name).line
+    def restore(self, positions: Positions, resume: str | None = None, saved: Config | None = None,
+                file_record: dict | None = None) -> None:
+        """Start at a checkpoint's positions (`file_record`: the checkpoint's record of its
+        file, `FilePosition.file_record`). A file of another name than the checkpoint's is
+        another file: the run goes on with it from its first line (`another_file`: its
+        passes count from 0). The checkpoint's own file, which the run may already have
+        trained up to some line, must still be that file: one replaced under the same
+        name (other first bytes), or truncated, is refused (SourceError), as it would
+        skip lines never trained; one that grew is the same file. A checkpoint without a
+        fingerprint (an older version) is not checked. Then refuse a holdout that would
+        now train lines the run held out (`resume`, `saved`: the checkpoint and its
+        config, for the messages)."""
+        ran_on = (file_record or {}).get("name") or (source_file_name(saved.data.source) if saved else None)
+        self.another_file = ran_on is not None and ran_on != self.path.name
+        position = FilePosition.from_checkpoint(positions, self.path.name, file_record)
+        done = position.line
+        why = (position.fingerprint.changed_in(self.path, self.fingerprint)
+               if position.fingerprint and self.fingerprint else "")
+        if not why and done > self.n_total:
+            if self.damage is not None:     # its own error: where the readable lines end, and why
+                raise self.damage
+            why = (f"it has {self.n_total:,} lines, the run trained it up to line {done:,}: it was "
+                   "truncated or changed")
+        if why:
+            raise self.changed_error(why, done)
+        self.grew_since = bool(position.fingerprint and self.fingerprint
+                               and self.fingerprint.size > position.fingerprint.size)
         if done > self.train_end:
             raise ConfigError(
                 f"--resume {resume}: the run already trained {self.path.name} up to line "
@@ -190,12 +224,27 @@ class FileInput:
                 f"({saved.data.holdout_fraction if saved else 0:g}) or train into a new --run-dir")
         self._line = done
 
+    def changed_error(self, why: str, done: int) -> SourceError:
+        """The refusal of a resume on a file that is not the one the checkpoint trained
+        under its name: the ways on (a new run, or the file under a name of its own,
+        which a resume continues on from its first line)."""
+        run_dir = self.cfg.train.run_dir
+        prefix = self.cfg.data.source.partition(":")[0]
+        spec = f"{prefix}:OTHER_NAME" if prefix.lower() in (*FORMATS, *SCHEMA_ENCODINGS) else "OTHER_NAME"
+        trained = f"lines 0-{done - 1:,} of another file" if done else "another file of that name"
+        return SourceError(
+            f"{self.path} changed since the checkpoint ({why}): the run trained {trained}; train "
+            f"it with a new --run-dir, or give it another name to continue the run on it from its "
+            f"first line (`stream-ctr train {spec} --resume {run_dir}`, see docs/training.md)")
+
     def wants_more(self, epoch: int) -> bool:
         return epoch < self.cfg.data.epochs and not self.at_damage and not self.empty
 
     def records_left(self, epoch: int) -> int | None:
         """Records (lines: a few may not decode) still to train in this and later passes."""
         rank, world = self.stripe
+        if epoch >= self.cfg.data.epochs:
+            return 0
         lines = max(self.train_end - self._line, 0) + max(self.cfg.data.epochs - epoch - 1, 0) * self.train_end
         return lines // world
 
@@ -229,7 +278,11 @@ class FileInput:
         self._line = batch.positions_after().get(self.key, self._line)
 
     def snapshot(self) -> FilePosition:
-        return FilePosition(self.path.name, self._line)
+        return FilePosition(self.path.name, self._line, self.fingerprint)
+
+    def source_record(self) -> dict:
+        """What a checkpoint keeps beside the positions: the file's name and fingerprint."""
+        return self.snapshot().file_record()
 
     def commit(self) -> None:
         """A file keeps no offsets but the checkpoint's."""
@@ -248,6 +301,38 @@ class FileInput:
             return False
         self._line = 0
         return True
+
+    def finished(self, epoch: int) -> str:
+        """Why a resumed run has nothing left to train ("" when it has): it did its
+        `data.epochs` passes over the file (a checkpoint at the end of a run)."""
+        if epoch < self.cfg.data.epochs or self.at_damage or self.empty:
+            return ""
+        passes = f"{epoch} pass{'es' if epoch != 1 else ''}"
+        grew = (" (it grew since the checkpoint: lines appended to a file after its passes are not "
+                "trained, see docs/training.md)" if self.grew_since else "")
+        return (f"the run finished its {passes} over {self.path.name}{grew}: nothing left to train; raise "
+                f"--epochs (data.epochs = {self.cfg.data.epochs}) to train more passes, or name another "
+                "file to continue the run on it")
+
+    def changed_note(self) -> str:
+        """A warning when the file's size changed while this run trained it ("" if not).
+
+        Appending to a file being trained is not supported: a run's passes end at the
+        lines it counted when it started (they also place the holdout), so lines
+        appended later are not trained by it, and a last line still being written when
+        the reader reached it (no newline yet) is read as it was then: a record cut
+        short, dead-lettered, its completion never trained. Whether a last line without
+        a newline is finished cannot be told from the file (many files simply end so),
+        so nothing is held back: the run says what happened instead."""
+        now = _file_size(self.path)
+        if now is None or self.size_at_start is None or now == self.size_at_start:
+            return ""
+        how = "grew" if now > self.size_at_start else "changed size"
+        return (f"stream-ctr: warning: {self.path} {how} while this run trained it ({self.size_at_start:,} "
+                f"-> {now:,} bytes): the run trained the {self.n_total:,} lines it counted at its start, "
+                "and a last line being written then may have been dead-lettered incomplete; appending "
+                "to a file being trained is not supported: feed a growing log through a Kafka topic "
+                "(docs/kafka.md), or train each file once it is complete (docs/training.md)")
 
     def lag(self, epoch: int) -> dict[str, int]:
         """Records of the training range not yet trained."""
@@ -269,6 +354,13 @@ class FileInput:
         if self.source is not None:
             self.source.close()
         return {}
+
+
+def _file_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 class KafkaInput:
@@ -303,8 +395,15 @@ class KafkaInput:
         self._last_ready = time.monotonic()     # when a batch was last handed out
         self._said_waiting = False
 
-    def restore(self, positions: Positions, resume: str | None = None, saved: Config | None = None) -> None:
+    another_file = False
+
+    def restore(self, positions: Positions, resume: str | None = None, saved: Config | None = None,
+                file_record: dict | None = None) -> None:
         self._positions = KafkaPositions.from_checkpoint(positions)
+
+    def source_record(self) -> dict:
+        """A topic's positions say it all."""
+        return {}
 
     # A rank waiting for its peers keeps polling (`poll_while_waiting`): a group rebalance
     # completes only when every member polls.
@@ -332,6 +431,14 @@ class KafkaInput:
     def records_left(self, epoch: int) -> int | None:
         """Unknown: a stream has no end."""
         return None
+
+    def finished(self, epoch: int) -> str:
+        """A stream is never finished."""
+        return ""
+
+    def changed_note(self) -> str:
+        """A topic grows by design."""
+        return ""
 
     def open(self) -> "KafkaSource":
         """The consumer (joining the group at the restored positions), opened once."""

@@ -70,6 +70,9 @@ class RunSummary:
     # (the window's AUC after the first pass scores rows the model has already seen).
     test_per_epoch: list = field(default_factory=list)
     empty_source: str = ""              # the file, when it held no records (nothing to train)
+    # A resume of a run that had already done all its passes over its file: why nothing was
+    # trained (no checkpoint written; `checkpoint` is the one it resumed from). "" otherwise.
+    already_finished: str = ""
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k not in ("window", "test")}
@@ -159,11 +162,13 @@ class Run:
         if state is not None:
             refuse_other_features(resume, saved, cfg, self.fmt)
             refuse_changed_schema(resume, saved, cfg)
-            self.input.restore(self.job.resume_positions(state.positions), resume, saved)
+            self.input.restore(self.job.resume_positions(state.positions), resume, saved,
+                               state.extra.get("file"))
         self.trainer = Trainer.for_format(cfg, self.fmt)
         self.window = PrequentialWindow(cfg.train.eval_window_records, cfg.train.eval_refresh_s)
         self.epoch = 0
         self.resumed = ""               # what a resumed run says at its start
+        self.resumed_from = state.path if state is not None else None
         if state is not None:
             self.restore(state)
             self.resumed = (f"resumed from {state.path} (step {state.step:,}, {state.records_trained:,} "
@@ -174,6 +179,7 @@ class Run:
         link_checkpoint_dir(run_dir, cfg.train.checkpoint_dir)
         # A file, or the dead-letter topic; once per record across restarts (the checkpoint's mark).
         self.dead_letter = open_dead_letter(cfg, stream_url(cfg), state.extra if state is not None else None)
+        self.dead_letter.epoch = self.epoch
         self.summary.dead_letter_path = str(self.dead_letter.path)
         self.remaining = cfg.data.limit_records or -1      # -1: no limit
         self.rows_touched = self.rows_clipped = self.rows_at_floor = 0
@@ -209,7 +215,8 @@ class Run:
         self.trainer.load_state_tensors(state.tensors["trainer"])
         self.window.load_state_dict({k: (v.numpy() if torch.is_tensor(v) else v)
                                      for k, v in state.tensors["window"].items()})
-        self.epoch = state.extra.get("epoch", 0)
+        # Another file (a new day of logs) is trained from its first line, its passes from 0.
+        self.epoch = 0 if self.input.another_file else state.extra.get("epoch", 0)
         was = state.extra.get("precision")
         if was and was != self.trainer.precision:   # train.precision=auto on other hardware
             print(f"stream-ctr: note: the checkpoint trained with {was} matmuls, this run uses "
@@ -235,6 +242,11 @@ class Run:
     def empty(self) -> bool:
         """The source file holds no records (an empty file, an empty gzip, a header alone)."""
         return self.input.empty
+
+    @property
+    def finished(self) -> str:
+        """Why a resumed run has nothing left to train ("" when it has, or was not resumed)."""
+        return self.input.finished(self.epoch) if self.resumed_from is not None else ""
 
     def events(self, stop: StopSignal, look_ahead: bool):
         """The input's events for one pass (inputs.py); a Kafka topic deleted under them
@@ -312,6 +324,7 @@ class Run:
         (Kafka: the group's offsets). A job's `Job.checkpoint` wraps this in its agreement."""
         t0 = time.perf_counter()
         positions = self.input.snapshot().to_checkpoint()
+        source_record = self.input.source_record()     # a file's name and fingerprint
         # First: the dead letters up to here on disk (or acknowledged), and where the sink ends.
         dead_letter = self.dead_letter.mark(positions, self.epoch).as_dict()
         tensors = {"trainer": self.trainer.state_tensors(),
@@ -322,7 +335,8 @@ class Run:
                                 {"epoch": self.epoch, "source": self.cfg.data.source,
                                  # what the scaling rule made of cfg.optim for this batch size
                                  "resolved_optim": dataclasses.asdict(self.trainer.optim),
-                                 "precision": self.trainer.precision, "dead_letter": dead_letter})
+                                 "precision": self.trainer.precision, "dead_letter": dead_letter,
+                                 **({"file": source_record} if source_record else {})})
         self.summary.checkpoint = str(save_checkpoint(self.ckpt_dir, state, self.cfg.train.keep_checkpoints))
         self.monitor.on_checkpoint(time.perf_counter() - t0, self.summary.checkpoint)
         if commit:
@@ -350,17 +364,23 @@ class Run:
         nothing and rejected every record it read: a schema, encoding or source that does
         not fit the data (a JSON schema on a TSV file, a path that never matches). The
         resume point stays where it was, so a corrected rerun reads those records again;
-        the dead-letter file keeps this attempt's rejects for diagnosis."""
+        the dead-letter file keeps this attempt's rejects for diagnosis, and a rerun with
+        --resume of a run without a checkpoint moves them aside (run_dir.set_aside_attempt)."""
         counts = self.dead_letter.counts
         if self.summary.records_trained or not counts:
             return
+        # Run without a checkpoint: the rerun sets this attempt's files aside (set_aside_attempt).
+        moved = ("; that run moves them to a no-checkpoint-* folder in it"
+                 if not self.total_before
+                 and str(self.dead_letter.path) == str(Path(self.cfg.train.run_dir) / "dead_letter.jsonl")
+                 else "")
         raise SourceError(
             f"every record read from {self.cfg.data.source} was rejected "
             f"({sum(counts.values()):,}; {rejection_note(counts)}), nothing trained: the "
             f"schema or source does not fit the data. Nothing was checkpointed: fix the "
             f"schema or source and run again, with --resume {self.cfg.train.run_dir} to keep "
             f"this run directory (the rejects, with each record's field and value, are in "
-            f"{self.dead_letter.path})")
+            f"{self.dead_letter.path}{moved})")
 
     def finish(self, seconds: float) -> RunSummary:
         s = self.summary
@@ -472,7 +492,8 @@ def train(cfg: Config, resume: str | None = None, show_progress: bool = True) ->
         if starting_over:
             aside = owner.set_aside
             print(f"stream-ctr: no checkpoint in {resume} yet: starting a new run in {cfg.train.run_dir}"
-                  + (f" (the earlier attempt's time series moved to {aside})" if aside else ""),
+                  + (f" (what the earlier attempt wrote, its time series and dead letters, moved to "
+                     f"{aside})" if aside else ""),
                   file=sys.stderr, flush=True)
         return _train(cfg, owner.resume, show_progress)
 
@@ -481,6 +502,8 @@ def _train(cfg: Config, resume: str | None, show_progress: bool) -> RunSummary:
     """`train` in a run directory this process owns (cfg.train.run_dir)."""
     run = Run(cfg, resume)
     point_latest(Path(cfg.train.run_dir))
+    if run.finished:
+        return finished_run(run)
     start_note(run, show_progress)
     progress = Progress("train", cfg.train.log_every_s, enabled=show_progress, total=run.records_left())
     every = cfg.train.checkpoint_every_batches
@@ -520,12 +543,29 @@ def _train(cfg: Config, resume: str | None, show_progress: bool) -> RunSummary:
         run.refuse_if_nothing_decoded()
         run.checkpoint()
         run.summary.stopped = stop.requested
+        changed = run.input.changed_note()      # a file appended to while it trained
+        if changed:
+            print(changed, file=sys.stderr, flush=True)
     summary = run.finish(progress.elapsed_s())
     summary.empty_source = str(run.input.path) if run.empty else ""
     if run.input.at_damage:             # after the checkpoint: nothing trained is lost
         err = run.input.damaged(summary.checkpoint)
         err.summary = summary
         raise err
+    return summary
+
+
+def finished_run(run: Run) -> RunSummary:
+    """A resume of a run that has done all its passes over its file: one line says so
+    and what would train more, no checkpoint is written (each restart used to write one
+    more, deleting an older), and the summary scores the held-out tail as before. Not
+    an error: a supervisor that restarts a finished run must not loop on failures."""
+    print(f"stream-ctr: {run.finished}", file=sys.stderr, flush=True)
+    with run:               # (its exit closes the input, as at the end of a run that trained)
+        pass
+    summary = run.finish(0.0)
+    summary.already_finished = run.finished
+    summary.checkpoint = str(run.resumed_from)
     return summary
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stream_ctr.config import Config, ConfigError
+from stream_ctr.connectors.dead_letter import dead_letter_start_name
 from stream_ctr.train.checkpoint import CheckpointError
 
 RUNS_ROOT = Path("runs")
@@ -276,7 +277,9 @@ def claim_run_dir(cfg: Config, resume: str | None, set_aside: bool = False) -> R
             owner.locks.append(DirLock.take(owner.checkpoint_root, "checkpoint directory",
                                             "train into another --run-dir"))
         if set_aside:
-            owner.set_aside = set_aside_attempt(p)
+            # (a dead-letter file elsewhere, data.dead_letter_path, is the user's to keep)
+            own_dead_letter = None if cfg.data.dead_letter_path else p / "dead_letter.jsonl"
+            owner.set_aside = set_aside_attempt(p, own_dead_letter)
         if resume is None:
             refuse_if_holds_run(p)
         removed = remove_leftovers(p, owner.checkpoint_root)
@@ -361,18 +364,31 @@ def point_latest(run_dir: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def set_aside_attempt(run_dir: Path, now_s: float | None = None) -> Path | None:
+def set_aside_attempt(run_dir: Path, dead_letter: Path | None = None, now_s: float | None = None) -> Path | None:
     """A `--resume` of a run directory without a checkpoint (the run was killed before
-    its first): the time series of that attempt, which no model state carries on,
-    moves to `RUN_DIR/no-checkpoint-<UTC time>/`, so the new start is one run and its
-    report shows it alone. Returns that folder (None when there was nothing to move)."""
-    series = sorted(run_dir.glob("timeseries*.jsonl*")) if run_dir.is_dir() else []
-    if not series:
+    its first, or stopped because no record decoded): what that attempt wrote and no
+    model state carries on moves to `RUN_DIR/no-checkpoint-<UTC time>/`, so the new
+    start is one run, its report shows it alone and its dead letters are its own.
+    That is the time series, and `dead_letter` (the run directory's dead-letter file;
+    None when the run dead-letters elsewhere: a path of the user's choosing or a topic
+    stays where it is) with the start mark that points into it
+    (connectors/dead_letter.py, `start_mark`). Without the move, the rejects of a
+    schema that fit no record stayed beside a corrected run that reported 0 rejected.
+    The new attempt rejects again whatever it reads again, into a fresh file, so each
+    record is still in the run's dead-letter file once. Returns that folder (None when
+    there was nothing to move)."""
+    moving = sorted(run_dir.glob("timeseries*.jsonl*")) if run_dir.is_dir() else []
+    if dead_letter is not None and dead_letter.is_file():
+        moving.append(dead_letter)
+        mark = run_dir / dead_letter_start_name(dead_letter)
+        if mark.is_file():
+            moving.append(mark)
+    if not moving:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now_s is None else now_s))
     aside = run_dir / f"no-checkpoint-{stamp}"
     aside.mkdir(exist_ok=True)
-    for path in series:
+    for path in moving:
         path.rename(aside / path.name)
     return aside
 

@@ -20,6 +20,35 @@ def test_a_file_position_is_its_next_line_and_nothing_at_a_pass_start():
     assert FilePosition.from_checkpoint({}, "day_0.gz") == FilePosition("day_0.gz", 0)
 
 
+def test_a_file_fingerprint_goes_beside_the_positions_and_recognises_the_file(tmp_path):
+    """The positions stay offsets only; the fingerprint is the file record's, read back
+    only for a file of its name. A file that grew is the same; other first bytes, or
+    fewer bytes of data, are not."""
+    import gzip
+    from stream_ctr.connectors.files import FORMATS, survey_file
+    path = tmp_path / "day_0.tsv"
+    path.write_bytes(b"1\t2\n" * 30_000)                  # 120,000 bytes: more than the head
+    lines, damage, fp = survey_file(path, FORMATS["criteo"])
+    assert (lines, damage, fp.head_bytes, fp.size) == (30_000, None, 64 << 10, 120_000)
+    at = FilePosition("day_0.tsv", 1500, fp)
+    assert at.to_checkpoint() == {"file:day_0.tsv": 1500}
+    record = at.file_record()
+    assert record["name"] == "day_0.tsv" and FilePosition.from_checkpoint(at.to_checkpoint(), "day_0.tsv",
+                                                                          record) == at
+    assert FilePosition.from_checkpoint({}, "day_1.tsv", record).fingerprint is None
+    assert FilePosition.from_checkpoint({"file:day_0.tsv": 7}, "day_0.tsv", {"name": "day_0.tsv"}).fingerprint is None
+    with open(path, "ab") as f:                             # grew: the same file
+        f.write(b"3\t4\n")
+    assert fp.changed_in(path, survey_file(path, FORMATS["criteo"])[2]) == ""
+    path.write_bytes(b"1\t2\n" * 20_000)                  # the same head, cut short
+    assert "truncated" in fp.changed_in(path, survey_file(path, FORMATS["criteo"])[2])
+    path.write_bytes(b"9\t2\n" + b"1\t2\n" * 29_999)    # another first line
+    assert fp.changed_in(path, survey_file(path, FORMATS["criteo"])[2]) == "its first 64 KiB differ"
+    gz = tmp_path / "day_0.tsv.gz"                          # a gzip: its data, not its bytes
+    gz.write_bytes(gzip.compress(b"1\t2\n" * 30_000, mtime=5))
+    assert survey_file(gz, FORMATS["criteo"])[2] == fp
+
+
 def test_typed_positions_write_exactly_the_old_flat_dict_and_read_it_back():
     from stream_ctr.connectors.kafka.positions import PartitionPosition
     typed = KafkaPositions({"t/1": PartitionPosition(77, 3), "t/0": PartitionPosition(120),

@@ -114,6 +114,30 @@ def test_a_schema_that_fits_no_record_fails_without_moving_the_resume_point(ad_l
     assert resumed["records_trained"] == 500 and resumed["records_trained_total"] == 1500
 
 
+def test_a_rerun_after_a_run_that_decoded_nothing_starts_with_its_own_dead_letters(tmp_path):
+    """A run whose every record was rejected exits 3 without a checkpoint; the corrected
+    rerun (--resume RUN_DIR) starts the run over and sets the failed attempt's rejects
+    aside with its time series, instead of keeping them beside a run reporting 0 rejected."""
+    good = tmp_path / "good.tsv"
+    assert run("synth", good, "--records", "400", "--quiet").returncode == 0
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("not\ta\tcriteo\tline\n" * 300)
+    run_dir = tmp_path / "run"
+    out = run("train", f"criteo:{bad}", "--run-dir", run_dir, "--quiet")
+    assert out.returncode == 3 and "every record read from" in out.stderr, out.stderr
+    assert "moves them to a no-checkpoint-* folder" in out.stderr
+    assert len((run_dir / "dead_letter.jsonl").read_text().splitlines()) == 300
+    out = run("train", f"criteo:{good}", "--resume", run_dir, "--json")
+    summary = last_json(out)
+    assert summary["records_trained"] == 400 and summary["records_rejected"] == 0
+    assert "time series and dead letters, moved to" in out.stderr, out.stderr
+    assert (run_dir / "dead_letter.jsonl").read_text() == ""
+    (aside,) = run_dir.glob("no-checkpoint-*")
+    assert len((aside / "dead_letter.jsonl").read_text().splitlines()) == 300
+    assert list(aside.glob("dead_letter_start-*.json"))         # the mark that pointed into it
+    assert (aside / "timeseries.jsonl").exists()
+
+
 def test_a_resume_under_a_schema_that_decodes_otherwise_is_refused(ad_log, tmp_path):
     """The same features read another way (price raw instead of its ln, user_id from another
     path) would change what the weights mean without a word: refused, naming the fields,
