@@ -104,13 +104,13 @@ def configure_torch(cfg: Config, processes_per_host: int = 1) -> ThreadChoice:
 
 
 def resume_data_config(cfg: Config, saved: Config) -> None:
-    """What a resumed run reads: the checkpoint's source and holdout unless the command
-    names others. A resume that names none goes on with the same file and keeps its
+    """What a resumed run reads: the checkpoint's source, holdout, schema and passes
+    (data.epochs) unless the command names others. A resume that names none goes on with the same file and keeps its
     held-out lines held out (it used to fall back to the bundled sample, and to
     train the held-out lines); naming another file continues training on it (a
     new day of logs), from its first line."""
     default = Config().data
-    for name in ("source", "holdout_fraction", "schema"):
+    for name in ("source", "holdout_fraction", "schema", "epochs"):
         if getattr(cfg.data, name) == getattr(default, name):     # not named by the command
             setattr(cfg.data, name, getattr(saved.data, name))
 

@@ -96,8 +96,11 @@ def test_a_resume_of_a_finished_run_trains_nothing_and_writes_no_checkpoint(line
     # More passes, then another file: each trains, the other from its first line.
     s = summary_of(run("train", "--resume", run_dir, "--epochs", "2", "--json", *SMALL))
     assert s["records_trained"] == 800 and not s["already_finished"]
+    # The run's passes are now 2: a resume that does not name --epochs keeps them.
+    s = summary_of(run("train", "--resume", run_dir, "--json", *SMALL))
+    assert s["records_trained"] == 0 and s["already_finished"].startswith("the run finished its 2 passes")
     s = summary_of(run("train", f"criteo:{day2}", "--resume", run_dir, "--json", *SMALL))
-    assert s["records_trained"] == 800 and s["records_trained_total"] == 2400
+    assert s["records_trained"] == 1600 and s["records_trained_total"] == 3200     # its 2 passes
 
 
 def test_a_checkpoint_without_a_fingerprint_resumes_unchecked(lines, tmp_path):
