@@ -155,6 +155,20 @@ def test_security_options_pass_through_and_the_password_comes_from_the_environme
     assert rd["enable.auto.commit"] is False and rd["allow.auto.create.topics"] is False
 
 
+def test_librdkafka_takes_every_fetch_size_the_options_accept():
+    """Fetch sizes are soft limits (a larger message still comes whole): any value the
+    options accept makes a librdkafka consumer, and any message size can be received."""
+    confluent_kafka = pytest.importorskip("confluent_kafka")
+    from stream_ctr.connectors.kafka.confluent import librdkafka_config
+    for fetch, partition in [(1024, 1024), (65536, 1 << 20), (999_999, 999_999), (64 << 20, 16 << 20),
+                             ((1 << 31) - 1, (1 << 31) - 1), (10 ** 12, 10 ** 12)]:
+        options = KafkaOptions(fetch_max_bytes=fetch, max_partition_fetch_bytes=partition)
+        assert options.problem() is None
+        config = librdkafka_config(parse_kafka_url("kafka://127.0.0.1:9/t", options))
+        assert config["receive.message.max.bytes"] == 2147483647
+        confluent_kafka.Consumer(config).close()      # librdkafka checks the properties here
+
+
 def test_the_consumer_client_is_an_option():
     assert parse_kafka_url("kafka://h:1/t?client=confluent").options.client == "confluent"
     assert parse_kafka_url("kafka://h:1/t").options.client == "kafka-python"
