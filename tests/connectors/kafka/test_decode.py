@@ -10,7 +10,8 @@ from stream_ctr.connectors.decode import decode_lines
 from stream_ctr.connectors.files import SAMPLE_PATHS, SourceError
 from stream_ctr.connectors.formats import AVAZU, CRITEO
 from stream_ctr.connectors.kafka.decode import decode_messages
-from stream_ctr.connectors.kafka.options import KafkaOptions, parse_kafka_url, start_timestamp_ms
+from stream_ctr.connectors.kafka.options import (KafkaOptions, dead_letter_problem, parse_kafka_url,
+                                                 start_timestamp_ms)
 from stream_ctr.connectors.kafka.positions import ROWS_DONE, PositionBook, from_positions, to_positions
 
 
@@ -127,6 +128,17 @@ def test_urls_and_options():
             parse_kafka_url(bad)
     assert start_timestamp_ms("2024-01-01T00:00:00") == 1704067200000
     assert KafkaOptions(start="yesterday").problem() .startswith("kafka.start")
+    # The dead-letter topic is a topic name too: the producer refused it only at the
+    # first bad record, with a traceback in the middle of the stream.
+    for name, words in [("bad name/with spaces", "'bad name/with spaces' is not a valid topic name"),
+                        ("x" * 300, "300 characters; at most 249"), ("..", "not a valid topic name"),
+                        ("{topic}.dlq/1", "'{topic}.dlq/1' gives 't.dlq/1', which is not a valid")]:
+        assert KafkaOptions(dead_letter_topic=name).problem().startswith("kafka.dead_letter_topic "), name
+        assert words in KafkaOptions(dead_letter_topic=name).problem(), name
+    assert KafkaOptions(dead_letter_topic="").problem() is None           # the run's file instead
+    assert KafkaOptions(dead_letter_topic="{topic}-" + "x" * 240).problem() is None
+    assert "251 characters" in dead_letter_problem(KafkaOptions(dead_letter_topic="{topic}-" + "x" * 244),
+                                                   "clicks")      # known once the source topic is
     assert "sasl_mechanism" in KafkaOptions(sasl_mechanism="PLAIN").problem()
 
 

@@ -101,7 +101,11 @@ def test_user_errors_are_one_line(kafka, tmp_path, capsys):
              (["kafka://127.0.0.1/clicks"], "must be HOST:PORT", 3),
              ([kafka.url("t") + "?colour=red"], "unknown parameter 'colour'", 3),
              ([kafka.url("t"), "--holdout-fraction", "0.1"], "data.holdout_fraction needs a file", 2),
-             ([kafka.url("t"), "--set", "kafka.value_format=xml"], "kafka.value_format", 2)]
+             ([kafka.url("t"), "--set", "kafka.value_format=xml"], "kafka.value_format", 2),
+             ([kafka.url("t"), "--set", "kafka.dead_letter_topic=bad name/with spaces"],
+              "kafka.dead_letter_topic 'bad name/with spaces' is not a valid topic name", 2),
+             ([kafka.url("clicks"), "--set", "kafka.dead_letter_topic={topic}" + "x" * 245],
+              "which is not a valid topic name (251 characters; at most 249)", 2)]
     for args, message, code in cases:
         assert main(["train", *args, *run]) == code, args
         err = capsys.readouterr().err.strip().splitlines()
