@@ -182,7 +182,10 @@ def parse_kafka_url(url: str, base: KafkaOptions | None = None) -> KafkaUrl:
     example = "kafka://HOST:PORT/TOPIC?group=G"
     if not is_kafka_url(url):
         raise SourceError(f"{url!r} is not a Kafka URL (expected {example})")
-    parts = urlsplit(url.strip())
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError as e:         # e.g. an unclosed IPv6 bracket: "Invalid IPv6 URL"
+        raise SourceError(f"{url!r} is not a valid URL ({e}; expected {example})") from None
     hosts = tuple(h.strip() for h in parts.netloc.split(",") if h.strip())
     topics = tuple(t.strip() for t in parts.path.lstrip("/").split(",") if t.strip())
     if not hosts:

@@ -123,7 +123,8 @@ def test_urls_and_options():
     for bad, words in [("kafka:///t", "no broker"), ("kafka://h/t", "HOST:PORT"),
                        ("kafka://h:1", "no topic"), ("kafka://h:1/t?grp=x", "unknown parameter"),
                        ("kafka://h:1/t?format=x", "kafka.format"), ("kafka://h:1/t t", "topic name"),
-                       ("http://h:1/t", "not a Kafka URL")]:
+                       ("http://h:1/t", "not a Kafka URL"),
+                       ("kafka://[::1/t?group=g", "is not a valid URL .Invalid IPv6 URL")]:
         with pytest.raises(SourceError, match=words):
             parse_kafka_url(bad)
     assert start_timestamp_ms("2024-01-01T00:00:00") == 1704067200000

@@ -99,6 +99,7 @@ def test_user_errors_are_one_line(kafka, tmp_path, capsys):
     cases = [(["kafka://127.0.0.1:9/clicks"], "cannot reach a Kafka broker at 127.0.0.1:9", 3),
              ([kafka.url("no-such-topic-abc")], "topic 'no-such-topic-abc' does not exist", 3),
              (["kafka://127.0.0.1/clicks"], "must be HOST:PORT", 3),
+             (["kafka://[::1/t?group=g"], "'kafka://[::1/t?group=g' is not a valid URL", 3),
              ([kafka.url("t") + "?colour=red"], "unknown parameter 'colour'", 3),
              ([kafka.url("t"), "--holdout-fraction", "0.1"], "data.holdout_fraction needs a file", 2),
              ([kafka.url("t"), "--set", "kafka.value_format=xml"], "kafka.value_format", 2),
