@@ -375,8 +375,9 @@ class ConfluentConsumer:
             out[tp] = OffsetAndTimestamp(f.offset, timestamps[tp], -1) if f.offset >= 0 else None
         return out
 
-    def close(self, autocommit: bool = False) -> None:
-        """Leave the group (revocation callbacks run first); never commits by itself."""
+    def close(self, autocommit: bool = False, timeout_ms: int | None = None) -> None:
+        """Leave the group (revocation callbacks run first); never commits by itself.
+        `timeout_ms` is not librdkafka's to take: it bounds its LeaveGroup itself."""
         self._consumer.close()
 
 

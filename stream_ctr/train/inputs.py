@@ -302,6 +302,7 @@ class KafkaInput:
         self._gone_since_handout: set[str] = set()
         self._last_ready = time.monotonic()     # when a batch was last handed out
         self._said_waiting = False
+        self._next_join_note = 0.0              # a wait for the group's assignment: said again then
 
     def restore(self, positions: Positions, resume: str | None = None, saved: Config | None = None) -> None:
         self._positions = KafkaPositions.from_checkpoint(positions)
@@ -388,11 +389,27 @@ class KafkaInput:
                 self._note_waiting()
             yield event
 
-    # A run that idles says so once per quiet spell, after this long without a batch.
+    # A run that idles says so once per quiet spell, after this long without a batch; one
+    # waiting for the group to assign it partitions says so every this long.
     WAITING_NOTE_S = 30.0
 
     def _note_waiting(self) -> None:
-        quiet = time.monotonic() - self._last_ready
+        now = time.monotonic()
+        joining = self.source.unassigned_s
+        if joining is not None:
+            # Records may well be in the topic: the group has not handed this member its
+            # partitions yet (a join or rebalance), and the idle end does not count this.
+            if joining >= self.WAITING_NOTE_S and now >= self._next_join_note:
+                self._next_join_note = now + self.WAITING_NOTE_S
+                o = self.url.options
+                print(f"stream-ctr: waiting for group {o.group!r} to assign partitions of "
+                      f"{', '.join(self.url.topics)} ({joining:.0f} s so far): a join or rebalance, "
+                      f"which a member that did not leave the group (a killed trainer) holds up until "
+                      f"kafka.session_timeout_ms = {o.session_timeout_ms / 1000:g} s drops it; "
+                      f"kafka.stop_when_idle_s does not count this wait", file=sys.stderr, flush=True)
+            return
+        self._next_join_note = 0.0
+        quiet = now - self._last_ready
         if self._said_waiting or quiet < self.WAITING_NOTE_S:
             return
         self._said_waiting = True

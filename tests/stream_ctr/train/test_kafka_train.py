@@ -155,3 +155,25 @@ def test_a_run_waiting_for_records_says_so_once_and_when_they_come_back(kafka, t
     assert err.count(f"waiting for records from {topic}: no batch for") == 2
     assert "rows pending of a 128-row batch); the run ends after kafka.stop_when_idle_s = 10 s" in err
     assert err.count("stream-ctr: records again after") == 1    # not for the idle end's last batch
+
+
+def test_a_run_waiting_for_the_group_says_so_and_does_not_promise_an_idle_end(kafka, tmp_path, monkeypatch,
+                                                                              capsys):
+    """Until the group assigns partitions (tansu admits a member only after half the
+    session timeout) the records wait in the topic: the run says it waits for the group,
+    repeatedly, not that no records come and that the idle end is near."""
+    from stream_ctr.train.inputs import KafkaInput
+    monkeypatch.setattr(KafkaInput, "WAITING_NOTE_S", 0.0)
+    topic = kafka.topic()
+    kafka.produce(topic, gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:300])
+    cfg = kafka_config(tmp_path, kafka.url(topic, "join"))
+    cfg.kafka.stop_when_idle_s = 2.0
+    assert train(cfg, show_progress=False).records_trained == 300
+    lines = capsys.readouterr().err.splitlines()
+    group = kafka.group("join", topic)
+    joining = [i for i, x in enumerate(lines)
+               if x.startswith(f"stream-ctr: waiting for group {group!r} to assign partitions of {topic} (")]
+    idle = [i for i, x in enumerate(lines) if x.startswith(f"stream-ctr: waiting for records from {topic}")]
+    assert joining and all(lines[i].endswith("kafka.stop_when_idle_s does not count this wait") for i in joining)
+    assert max(joining) < min(idle, default=len(lines))     # records are awaited only once assigned
+
