@@ -36,10 +36,15 @@ TOPIC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 TOPIC_MAX_CHARS = 249
 
 
+DEFAULT_GROUP = "stream-ctr"
+
+
 @dataclass
 class KafkaOptions:
     """Options of a kafka:// source; the `[kafka]` section of the config."""
-    group: str = "stream-ctr"                  # consumer group id (URL ?group=)
+    # Consumer group id (URL ?group=).  Without either, every such run shares this group
+    # and its committed offsets: a trainer says so at its start (`default_group_warning`).
+    group: str = DEFAULT_GROUP
     format: str = "criteo"                     # record format of the values: criteo | avazu
     # text: a TSV/CSV line per message, or many lines ("packed"); json: one
     # JSON object per message whose keys are the format's field names.
@@ -138,6 +143,8 @@ class KafkaUrl:
     bootstrap: tuple[str, ...]      # "host:port"
     topics: tuple[str, ...]
     options: KafkaOptions
+    # False when neither the URL's ?group= nor kafka.group named the group (the default).
+    group_named: bool = True
 
     @property
     def text(self) -> str:
@@ -201,15 +208,29 @@ def parse_kafka_url(url: str, base: KafkaOptions | None = None) -> KafkaUrl:
         if why is not None:
             raise SourceError(f"{url!r}: {topic!r} {why}")
     options = dataclasses.replace(base or KafkaOptions())
+    group_named = options.group != DEFAULT_GROUP
     for key, value in parse_qsl(parts.query, keep_blank_values=True):
         if key not in URL_KEYS:
             raise SourceError(f"{url!r}: unknown parameter {key!r} (known: {', '.join(URL_KEYS)}; "
                               "other options go in the [kafka] config section)")
         setattr(options, URL_KEYS[key], value)
+        group_named |= key == "group"
     problem = options.problem(prefix="kafka.")
     if problem:
         raise SourceError(f"{url!r}: {problem}")
-    return KafkaUrl(hosts, topics, options)
+    return KafkaUrl(hosts, topics, options, group_named)
+
+
+def default_group_warning(url: KafkaUrl) -> str | None:
+    """The warning a trainer prints at its start when no group was named (neither
+    ?group= nor kafka.group): it reads in the default group, whose committed offsets
+    every such run shares, so one run can take up where an unrelated one stopped."""
+    if url.group_named:
+        return None
+    return (f"kafka: the URL names no group (?group=) and kafka.group is not set: reading "
+            f"{', '.join(url.topics)} in the default group {url.options.group!r}, whose committed "
+            f"offsets every run without a group shares; give this run its own with "
+            f"{url.text}?group=NAME")
 
 
 def start_timestamp_ms(start: str) -> int | None:

@@ -47,7 +47,7 @@ import numpy as np
 from stream_ctr.config import Config, ConfigError
 from stream_ctr.connectors.batch import Batch, Positions, Rejected
 from stream_ctr.connectors.files import DamagedFile, FilePosition, FileSource, count_readable, detect_format
-from stream_ctr.connectors.kafka.options import KafkaUrl
+from stream_ctr.connectors.kafka.options import KafkaUrl, default_group_warning
 from stream_ctr.connectors.kafka.positions import KafkaPositions, filter_partitions
 from stream_ctr.connectors.read_ahead import ReadAhead, decode_threads
 from stream_ctr.train.batches import LookAhead, dead_letter_or_stop, micro_batches
@@ -159,6 +159,10 @@ class FileInput:
     # A file needs no polling while a rank waits for its peers, and no positions from them.
     keeps_polling = False
     peers_wanted = False
+
+    def start_warnings(self) -> list[str]:
+        """Lines a run prints at its start (a file's empty-file warning is `empty`'s)."""
+        return []
 
     def handover_positions(self) -> None:
         return None
@@ -306,6 +310,11 @@ class KafkaInput:
 
     def restore(self, positions: Positions, resume: str | None = None, saved: Config | None = None) -> None:
         self._positions = KafkaPositions.from_checkpoint(positions)
+
+    def start_warnings(self) -> list[str]:
+        """Lines a run prints at its start, whatever its verbosity: the default group."""
+        warning = default_group_warning(self.url)
+        return [warning] if warning else []
 
     # A rank waiting for its peers keeps polling (`poll_while_waiting`): a group rebalance
     # completes only when every member polls.

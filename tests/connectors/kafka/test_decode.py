@@ -10,8 +10,8 @@ from stream_ctr.connectors.decode import decode_lines
 from stream_ctr.connectors.files import SAMPLE_PATHS, SourceError
 from stream_ctr.connectors.formats import AVAZU, CRITEO
 from stream_ctr.connectors.kafka.decode import decode_messages
-from stream_ctr.connectors.kafka.options import (KafkaOptions, dead_letter_problem, parse_kafka_url,
-                                                 start_timestamp_ms)
+from stream_ctr.connectors.kafka.options import (KafkaOptions, dead_letter_problem, default_group_warning,
+                                                 parse_kafka_url, start_timestamp_ms)
 from stream_ctr.connectors.kafka.positions import ROWS_DONE, PositionBook, from_positions, to_positions
 
 
@@ -180,6 +180,21 @@ def test_librdkafka_takes_every_fetch_size_the_options_accept():
         config = librdkafka_config(parse_kafka_url("kafka://127.0.0.1:9/t", options))
         assert config["receive.message.max.bytes"] == 2147483647
         confluent_kafka.Consumer(config).close()      # librdkafka checks the properties here
+
+
+def test_a_run_without_a_group_warns_that_it_shares_the_default_one(tmp_path):
+    from stream_ctr.config import Config
+    from stream_ctr.train.inputs import KafkaInput
+    warning = default_group_warning(parse_kafka_url("kafka://127.0.0.1:9/clicks"))
+    assert warning == ("kafka: the URL names no group (?group=) and kafka.group is not set: reading clicks "
+                       "in the default group 'stream-ctr', whose committed offsets every run without a "
+                       "group shares; give this run its own with kafka://127.0.0.1:9/clicks?group=NAME")
+    assert default_group_warning(parse_kafka_url("kafka://127.0.0.1:9/clicks?group=stream-ctr")) is None
+    assert default_group_warning(parse_kafka_url("kafka://127.0.0.1:9/clicks", KafkaOptions(group="ctr"))) is None
+    cfg = Config()
+    cfg.train.run_dir = str(tmp_path / "run")
+    kafka_input = KafkaInput(cfg, parse_kafka_url("kafka://127.0.0.1:9/clicks"), lambda: 0, True)
+    assert kafka_input.start_warnings() == [warning]           # (what the trainer prints at its start)
 
 
 def test_the_consumer_client_is_an_option():
