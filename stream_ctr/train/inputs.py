@@ -47,7 +47,7 @@ import numpy as np
 from stream_ctr.config import Config, ConfigError
 from stream_ctr.connectors.batch import Batch, Positions, Rejected
 from stream_ctr.connectors.files import DamagedFile, FilePosition, FileSource, count_readable, detect_format
-from stream_ctr.connectors.kafka.options import KafkaUrl, default_group_warning
+from stream_ctr.connectors.kafka.options import KafkaUrl, default_group_warning, parse_kafka_url
 from stream_ctr.connectors.kafka.positions import KafkaPositions, filter_partitions
 from stream_ctr.connectors.read_ahead import ReadAhead, decode_threads
 from stream_ctr.train.batches import LookAhead, dead_letter_or_stop, micro_batches
@@ -307,9 +307,14 @@ class KafkaInput:
         self._last_ready = time.monotonic()     # when a batch was last handed out
         self._said_waiting = False
         self._next_join_note = 0.0              # a wait for the group's assignment: said again then
+        self._switch = ""                       # a resume's other topic or group, for a person
 
     def restore(self, positions: Positions, resume: str | None = None, saved: Config | None = None) -> None:
+        """Start at a checkpoint's positions.  A resume may name another topic or group
+        than the checkpoint's (as a file run may name another file): accepted, and said
+        in the resumed run's start line (`where`)."""
         self._positions = KafkaPositions.from_checkpoint(positions)
+        self._switch = switched_source(saved, self.url) if saved is not None else ""
 
     def start_warnings(self) -> list[str]:
         """Lines a run prints at its start, whatever its verbosity: the default group."""
@@ -537,8 +542,9 @@ class KafkaInput:
             self.source.commit(self.snapshot())
 
     def where(self) -> str:
-        """Where the next batch starts, for a person: the first partitions' offsets."""
-        return self.snapshot().describe()
+        """Where the next batch starts, for a person: the first partitions' offsets (and,
+        on a resume that names another topic or group, which ones this run reads)."""
+        return self.snapshot().describe() + (f"; {self._switch}" if self._switch else "")
 
     def end_pass(self, completed: bool, limit_reached: bool) -> bool:
         """A stream is never finished: it ends (idle), it never starts over."""
@@ -555,3 +561,34 @@ class KafkaInput:
         stats = self.source.stats.as_dict()
         self.source.close()
         return stats
+
+
+def switched_source(saved: Config, url: KafkaUrl) -> str:
+    """What a person must know when a resume reads another topic or group than its
+    checkpoint ("" when it reads the same).  Like a file run naming another file, it
+    is allowed: a topic the checkpoint read goes on from the checkpoint's offsets
+    (committed to this run's group from now on), any other topic from this run's
+    group's committed offsets, else kafka.start; the checkpoint's offsets of a topic
+    this run does not read are not used."""
+    from stream_ctr.connectors.errors import SourceError
+    try:
+        before = parse_kafka_url(saved.data.source, saved.kafka)
+    except SourceError:                 # not a Kafka run (or a URL this version refuses)
+        return ""
+    old_topics, new_topics = set(before.topics), set(url.topics)
+    old_group, new_group = before.options.group, url.options.group
+    if old_topics == new_topics and old_group == new_group:
+        return ""
+
+    def named(topics: set[str]) -> str:
+        return ("topic " if len(topics) == 1 else "topics ") + ", ".join(sorted(topics))
+    said = [f"the checkpoint read {named(old_topics)} (group {old_group!r}); this run reads "
+            f"{named(new_topics)} (group {new_group!r})"]
+    if old_topics & new_topics:
+        said.append(f"{named(old_topics & new_topics)} from the checkpoint's offsets")
+    if new_topics - old_topics:
+        said.append(f"{named(new_topics - old_topics)} from the committed offsets of group {new_group!r} "
+                    f"(else kafka.start = {url.options.start})")
+    if old_topics - new_topics:
+        said.append(f"the checkpoint's offsets of {named(old_topics - new_topics)} are not used")
+    return ": ".join(said[:2]) + "".join(f", {part}" for part in said[2:])

@@ -202,3 +202,21 @@ def test_the_consumer_client_is_an_option():
     assert parse_kafka_url("kafka://h:1/t").options.client == "kafka-python"
     with pytest.raises(SourceError, match="kafka.client must be one of kafka-python, confluent"):
         parse_kafka_url("kafka://h:1/t?client=librdkafka")
+
+
+def test_a_resume_names_the_topic_and_group_it_switches_to():
+    from stream_ctr.config import Config
+    from stream_ctr.train.inputs import switched_source
+    saved = Config()
+    saved.data.source = "kafka://127.0.0.1:9/a,b?group=g1"
+    same = parse_kafka_url("kafka://127.0.0.1:9/b,a", KafkaOptions(group="g1"))
+    assert switched_source(saved, same) == ""
+    assert switched_source(saved, parse_kafka_url("kafka://127.0.0.1:9/a,b?group=g2")) == (
+        "the checkpoint read topics a, b (group 'g1'); this run reads topics a, b (group 'g2'): "
+        "topics a, b from the checkpoint's offsets")
+    assert switched_source(saved, parse_kafka_url("kafka://127.0.0.1:9/b,c?group=g1&start=latest")) == (
+        "the checkpoint read topics a, b (group 'g1'); this run reads topics b, c (group 'g1'): topic b "
+        "from the checkpoint's offsets, topic c from the committed offsets of group 'g1' (else "
+        "kafka.start = latest), the checkpoint's offsets of topic a are not used")
+    saved.data.source = "criteo:sample"                     # (a file run's checkpoint)
+    assert switched_source(saved, same) == ""

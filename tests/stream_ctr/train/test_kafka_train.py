@@ -177,3 +177,25 @@ def test_a_run_waiting_for_the_group_says_so_and_does_not_promise_an_idle_end(ka
     assert joining and all(lines[i].endswith("kafka.stop_when_idle_s does not count this wait") for i in joining)
     assert max(joining) < min(idle, default=len(lines))     # records are awaited only once assigned
 
+
+def test_a_resume_that_reads_another_topic_or_group_says_so(kafka, tmp_path, capsys):
+    """As a file run may name another file, a resume may name another topic or group
+    (docs/kafka.md): it goes on, and its start line says what it reads from where."""
+    lines = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")
+    first, second = kafka.topic(), kafka.topic()
+    kafka.produce(first, lines[:300])
+    kafka.produce(second, lines[300:500])
+    cfg = kafka_config(tmp_path, kafka.url(first, "g1"))
+    cfg.kafka.stop_when_idle_s = 2.0
+    assert train(cfg, show_progress=False).records_trained == 300
+    capsys.readouterr()
+
+    cfg.data.source = kafka.url(second, "g2")
+    s = train(cfg, resume=cfg.train.run_dir, show_progress=True)
+    assert s.records_trained == 200 and s.records_trained_total == 500
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("stream-ctr: resumed from")]
+    g1, g2 = kafka.group("g1", first), kafka.group("g2", second)
+    assert line.endswith(f"at offsets {first}/0 300; the checkpoint read topic {first} (group {g1!r}); this "
+                         f"run reads topic {second} (group {g2!r}): topic {second} from the committed "
+                         f"offsets of group {g2!r} (else kafka.start = earliest), the checkpoint's offsets of "
+                         f"topic {first} are not used"), line
