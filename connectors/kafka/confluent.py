@@ -55,6 +55,12 @@ _NOT_A_MEMBER = ("REBALANCE_IN_PROGRESS", "ILLEGAL_GENERATION", "UNKNOWN_MEMBER_
 _FATAL_AUTH = ("_AUTHENTICATION", "SASL_AUTHENTICATION_FAILED", "_SSL")
 RUN_BYTES = 8 << 20         # values handed to the source per poll (one decode run)
 _WAKE_TIMEOUT_S = 1.0
+# The largest values librdkafka 2.x accepts for these properties (its configuration table).
+_RECEIVE_MAX_BYTES = 2147483647
+_FETCH_MAX_BYTES = _RECEIVE_MAX_BYTES - 512     # it must stay 512 bytes below the receive limit
+_PARTITION_FETCH_MAX_BYTES = 1_000_000_000
+_MESSAGE_MAX_BYTES = 1_000_000                  # librdkafka's default
+_QUEUED_MAX_KBYTES = 2097151
 
 
 def available() -> bool:
@@ -73,8 +79,19 @@ def librdkafka_config(url: KafkaUrl) -> dict[str, Any]:
         "group.id": o.group, "enable.auto.commit": False, "enable.auto.offset.store": False,
         "auto.offset.reset": "earliest", "allow.auto.create.topics": False,
         "enable.partition.eof": False,
-        "fetch.max.bytes": o.fetch_max_bytes, "max.partition.fetch.bytes": o.max_partition_fetch_bytes,
-        "receive.message.max.bytes": max(o.fetch_max_bytes, o.max_partition_fetch_bytes) + (1 << 20),
+        # The fetch sizes are soft limits: the broker returns the first record batch of a
+        # partition whole even when it is larger, so they are only clamped to the ranges
+        # librdkafka accepts (a larger value would refuse to start the consumer).
+        "fetch.max.bytes": min(o.fetch_max_bytes, _FETCH_MAX_BYTES),
+        "max.partition.fetch.bytes": min(o.max_partition_fetch_bytes, _PARTITION_FETCH_MAX_BYTES),
+        # librdkafka refuses a fetch.max.bytes below message.max.bytes (1,000,000 by default;
+        # for a consumer it only bounds the requests it sends, all of them small).
+        "message.max.bytes": min(o.fetch_max_bytes, _MESSAGE_MAX_BYTES),
+        # A response larger than this is dropped and fetched again, forever: one message
+        # larger than the fetch sizes (which the broker still returns whole) stalled its
+        # partition with nothing trained.  So admit any response size librdkafka can
+        # (buffers are sized by each response, not by this).
+        "receive.message.max.bytes": _RECEIVE_MAX_BYTES,
         "fetch.wait.max.ms": int(min(500, o.poll_timeout_s * 1000)),
         # After a full prefetch queue librdkafka waits this long before fetching that
         # partition again (default 1 s): the trainer drained the queue long before,
@@ -86,7 +103,7 @@ def librdkafka_config(url: KafkaUrl) -> dict[str, Any]:
         # n messages are there, and with a queue of one partition fetch (16 MiB) a poll
         # of 66 packed messages sometimes waited out poll_timeout_s (measured: 0.2-1.1M
         # rows/s; 1.1-1.2M with this).
-        "queued.max.messages.kbytes": max(1024, o.fetch_max_bytes >> 10),
+        "queued.max.messages.kbytes": min(max(1024, o.fetch_max_bytes >> 10), _QUEUED_MAX_KBYTES),
         "session.timeout.ms": o.session_timeout_ms, "heartbeat.interval.ms": o.heartbeat_interval_ms,
         "reconnect.backoff.max.ms": int(o.reconnect_backoff_max_s * 1000),
         "socket.connection.setup.timeout.ms": int(o.connect_timeout_s * 1000),
@@ -358,8 +375,9 @@ class ConfluentConsumer:
             out[tp] = OffsetAndTimestamp(f.offset, timestamps[tp], -1) if f.offset >= 0 else None
         return out
 
-    def close(self, autocommit: bool = False) -> None:
-        """Leave the group (revocation callbacks run first); never commits by itself."""
+    def close(self, autocommit: bool = False, timeout_ms: int | None = None) -> None:
+        """Leave the group (revocation callbacks run first); never commits by itself.
+        `timeout_ms` is not librdkafka's to take: it bounds its LeaveGroup itself."""
         self._consumer.close()
 
 

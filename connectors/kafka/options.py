@@ -30,12 +30,21 @@ SASL_MECHANISMS = ("", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 CLIENTS = ("kafka-python", "confluent")
 URL_KEYS = {"group": "group", "format": "format", "value": "value_format", "start": "start",
             "client": "client"}
+# Kafka's rule for topic names (its Topic.validate): at most 249 of these characters,
+# and neither "." nor "..".
+TOPIC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+TOPIC_MAX_CHARS = 249
+
+
+DEFAULT_GROUP = "stream-ctr"
 
 
 @dataclass
 class KafkaOptions:
     """Options of a kafka:// source; the `[kafka]` section of the config."""
-    group: str = "stream-ctr"                  # consumer group id (URL ?group=)
+    # Consumer group id (URL ?group=).  Without either, every such run shares this group
+    # and its committed offsets: a trainer says so at its start (`default_group_warning`).
+    group: str = DEFAULT_GROUP
     format: str = "criteo"                     # record format of the values: criteo | avazu
     # text: a TSV/CSV line per message, or many lines ("packed"); json: one
     # JSON object per message whose keys are the format's field names.
@@ -115,7 +124,13 @@ class KafkaOptions:
         except ValueError:
             return (f"{prefix}start must be earliest, latest, an ISO-8601 time or ms since the "
                     f"epoch, got {self.start!r}")
-        return None
+        # The source topic is not known here: a one-character one stands in for {topic}
+        # (`dead_letter_problem` checks the name a run really uses).
+        return dead_letter_problem(self, "t", prefix)
+
+    def dead_letter_topic_for(self, topic: str) -> str:
+        """The dead-letter topic of a run reading `topic` ("" = the run's dead-letter file)."""
+        return self.dead_letter_topic.replace("{topic}", topic)
 
     @property
     def record_format(self) -> RecordFormat:
@@ -128,10 +143,41 @@ class KafkaUrl:
     bootstrap: tuple[str, ...]      # "host:port"
     topics: tuple[str, ...]
     options: KafkaOptions
+    # False when neither the URL's ?group= nor kafka.group named the group (the default).
+    group_named: bool = True
 
     @property
     def text(self) -> str:
         return f"{SCHEME}{','.join(self.bootstrap)}/{','.join(self.topics)}"
+
+
+def topic_name_problem(name: str) -> str | None:
+    """Why Kafka would refuse `name` as a topic name; None if it is a valid one."""
+    if not name or name in (".", ".."):
+        return "is not a valid topic name"
+    if len(name) > TOPIC_MAX_CHARS:
+        return f"is not a valid topic name ({len(name)} characters; at most {TOPIC_MAX_CHARS})"
+    if not set(name) <= TOPIC_CHARS:
+        return "is not a valid topic name (letters, digits, '.', '_', '-')"
+    return None
+
+
+def dead_letter_problem(options: KafkaOptions, topic: str, prefix: str = "kafka.") -> str | None:
+    """A message naming the dead-letter topic option if the topic it gives a run that
+    reads `topic` is not a valid name (the producer would fail at the first bad record,
+    in the middle of the stream); None if it is fine or unset."""
+    if not options.dead_letter_topic:
+        return None
+    name = options.dead_letter_topic_for(topic)
+    why = topic_name_problem(name)
+    if why is None:
+        return None
+    def short(text: str) -> str:
+        return repr(text if len(text) <= 60 else f"{text[:40]}...{text[-10:]}")
+    what = (short(name) if name == options.dead_letter_topic
+            else f"{short(options.dead_letter_topic)} gives {short(name)}, which")
+    return (f"{prefix}dead_letter_topic {what} {why}; set another name ({{topic}} stands for the "
+            f"source topic), or \"\" to write rejected records to the run's dead-letter file")
 
 
 def is_kafka_url(spec: str) -> bool:
@@ -143,7 +189,10 @@ def parse_kafka_url(url: str, base: KafkaOptions | None = None) -> KafkaUrl:
     example = "kafka://HOST:PORT/TOPIC?group=G"
     if not is_kafka_url(url):
         raise SourceError(f"{url!r} is not a Kafka URL (expected {example})")
-    parts = urlsplit(url.strip())
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError as e:         # e.g. an unclosed IPv6 bracket: "Invalid IPv6 URL"
+        raise SourceError(f"{url!r} is not a valid URL ({e}; expected {example})") from None
     hosts = tuple(h.strip() for h in parts.netloc.split(",") if h.strip())
     topics = tuple(t.strip() for t in parts.path.lstrip("/").split(",") if t.strip())
     if not hosts:
@@ -155,19 +204,33 @@ def parse_kafka_url(url: str, base: KafkaOptions | None = None) -> KafkaUrl:
     if not topics:
         raise SourceError(f"{url!r} names no topic (expected {example})")
     for topic in topics:
-        if not all(c.isalnum() or c in "._-" for c in topic) or len(topic) > 249:
-            raise SourceError(f"{url!r}: {topic!r} is not a valid topic name "
-                              "(letters, digits, '.', '_', '-')")
+        why = topic_name_problem(topic)
+        if why is not None:
+            raise SourceError(f"{url!r}: {topic!r} {why}")
     options = dataclasses.replace(base or KafkaOptions())
+    group_named = options.group != DEFAULT_GROUP
     for key, value in parse_qsl(parts.query, keep_blank_values=True):
         if key not in URL_KEYS:
             raise SourceError(f"{url!r}: unknown parameter {key!r} (known: {', '.join(URL_KEYS)}; "
                               "other options go in the [kafka] config section)")
         setattr(options, URL_KEYS[key], value)
+        group_named |= key == "group"
     problem = options.problem(prefix="kafka.")
     if problem:
         raise SourceError(f"{url!r}: {problem}")
-    return KafkaUrl(hosts, topics, options)
+    return KafkaUrl(hosts, topics, options, group_named)
+
+
+def default_group_warning(url: KafkaUrl) -> str | None:
+    """The warning a trainer prints at its start when no group was named (neither
+    ?group= nor kafka.group): it reads in the default group, whose committed offsets
+    every such run shares, so one run can take up where an unrelated one stopped."""
+    if url.group_named:
+        return None
+    return (f"kafka: the URL names no group (?group=) and kafka.group is not set: reading "
+            f"{', '.join(url.topics)} in the default group {url.options.group!r}, whose committed "
+            f"offsets every run without a group shares; give this run its own with "
+            f"{url.text}?group=NAME")
 
 
 def start_timestamp_ms(start: str) -> int | None:

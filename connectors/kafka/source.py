@@ -94,7 +94,12 @@ previous process, killed) keeps its partitions until the broker's session
 timeout drops it; only then is this one assigned.  Waiting longer than
 `JOIN_NOTICE_S` for the first assignment is logged once, with how long it may
 take.  ``close()`` leaves the group (kafka-python and librdkafka send
-LeaveGroup), so a restart after SIGTERM or Ctrl-C does not wait for it.
+LeaveGroup), so a restart after SIGTERM or Ctrl-C does not wait for it.  A
+member still joining cannot leave before the broker ends that join (the
+LeaveGroup queues behind the JoinGroup on one connection): ``close()`` then
+waits only `LEAVE_WHILE_JOINING_S` and the broker drops the member after its
+session timeout.  Until the group assigns partitions, `unassigned_s` says for
+how long (the trainer reports it; the idle end does not count it).
 Measured on tansu with kafka.session_timeout_ms = 10 s (30 s), both clients
 alike: a first join 5.3 s (15 s; tansu admits a member after half the
 timeout), a restart after a clean stop 5.3 s (15 s), after SIGKILL 18 s
@@ -179,6 +184,9 @@ POLL_GRACE_S = 2.0
 STUCK_POLL_NOTICE_S = 60.0
 # ``close()`` waits this long for a poll still in flight before it gives the consumer up.
 CLOSE_WAIT_S = 15.0
+# How long ``close()`` waits for the group to confirm this member left while its join is
+# still pending at the broker (kafka-python; librdkafka bounds it itself, ~5 s).
+LEAVE_WHILE_JOINING_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -293,6 +301,7 @@ class KafkaSource:
         self._initial = positions.owned()
         self._book.released.update(positions.given_up_partitions())
         self._joined = False                                # the group assigned us (maybe nothing)
+        self._unassigned_since: float | None = time.monotonic()    # (not `_joined`) since
         self._unpositioned: set[str] = set()                # assigned, paused until seeked
         self._buffer: deque[Batch] = deque()
         self._buffered = 0
@@ -496,8 +505,13 @@ class KafkaSource:
             return
         if self._deferred_commit is not None:
             self.commit(self._deferred_commit)
+        # A member still joining cannot leave before the broker ends its join: the
+        # LeaveGroup queues behind the JoinGroup the broker holds on the same connection
+        # (tansu admits a member only after half the session timeout).  Waiting for it
+        # made a stop during a join take up to that long; see LEAVE_WHILE_JOINING_S.
+        timeout_ms = None if self._joined else int(LEAVE_WHILE_JOINING_S * 1000)
         try:
-            self._consumer.close(autocommit=False)
+            self._consumer.close(autocommit=False, timeout_ms=timeout_ms)
         except Exception as e:          # the broker may be gone; nothing to lose here
             log.warning("kafka: consumer close: %s", e)
 
@@ -792,6 +806,7 @@ class KafkaSource:
             return {}, None
         self.stats.rebalances += 1
         self._joined = False                # not idle while the group rebalances
+        self._unassigned_since = self._unassigned_since or time.monotonic()
         while self._decoding:               # as if decoded synchronously: take them in first
             self._take_in(self._decoding.popleft())
         gone = set(names)
@@ -836,7 +851,17 @@ class KafkaSource:
         else:
             self._initial = {}              # the checkpoint's positions serve the first assignment only
         self._joined = True
+        self._unassigned_since = None
         self._idle_since = time.monotonic()
+
+    @property
+    def unassigned_s(self) -> float | None:
+        """How long this member has been waiting for the group to assign it partitions (a
+        first join, or a rebalance since a revocation); None once it has an assignment,
+        even an empty one.  `options.stop_when_idle_s` does not count this wait: records
+        may be waiting in the topic for the group, the stream is not idle."""
+        since = self._unassigned_since
+        return None if since is None else time.monotonic() - since
 
     def _position_new_partitions(self) -> None:
         """Seek newly assigned partitions (on the caller's thread: blocking calls are allowed)."""

@@ -52,7 +52,7 @@ from stream_ctr.connectors.errors import SourceError
 from stream_ctr.connectors.files import (SCHEMA_ENCODINGS, DamagedFile, FilePosition, FileSource, detect_format,
                                         source_file_name, survey_file)
 from stream_ctr.connectors.formats import FORMATS
-from stream_ctr.connectors.kafka.options import KafkaUrl
+from stream_ctr.connectors.kafka.options import KafkaUrl, default_group_warning, parse_kafka_url
 from stream_ctr.connectors.kafka.positions import KafkaPositions, filter_partitions
 from stream_ctr.connectors.read_ahead import ReadAhead, decode_threads
 from stream_ctr.train.batches import LookAhead, dead_letter_or_stop, micro_batches
@@ -170,6 +170,10 @@ class FileInput:
     # A file needs no polling while a rank waits for its peers, and no positions from them.
     keeps_polling = False
     peers_wanted = False
+
+    def start_warnings(self) -> list[str]:
+        """Lines a run prints at its start (a file's empty-file warning is `empty`'s)."""
+        return []
 
     def handover_positions(self) -> None:
         return None
@@ -394,12 +398,23 @@ class KafkaInput:
         self._gone_since_handout: set[str] = set()
         self._last_ready = time.monotonic()     # when a batch was last handed out
         self._said_waiting = False
+        self._next_join_note = 0.0              # a wait for the group's assignment: said again then
+        self._switch = ""                       # a resume's other topic or group, for a person
 
     another_file = False
 
     def restore(self, positions: Positions, resume: str | None = None, saved: Config | None = None,
                 file_record: dict | None = None) -> None:
+        """Start at a checkpoint's positions.  A resume may name another topic or group
+        than the checkpoint's (as a file run may name another file): accepted, and said
+        in the resumed run's start line (`where`)."""
         self._positions = KafkaPositions.from_checkpoint(positions)
+        self._switch = switched_source(saved, self.url) if saved is not None else ""
+
+    def start_warnings(self) -> list[str]:
+        """Lines a run prints at its start, whatever its verbosity: the default group."""
+        warning = default_group_warning(self.url)
+        return [warning] if warning else []
 
     def source_record(self) -> dict:
         """A topic's positions say it all."""
@@ -495,11 +510,27 @@ class KafkaInput:
                 self._note_waiting()
             yield event
 
-    # A run that idles says so once per quiet spell, after this long without a batch.
+    # A run that idles says so once per quiet spell, after this long without a batch; one
+    # waiting for the group to assign it partitions says so every this long.
     WAITING_NOTE_S = 30.0
 
     def _note_waiting(self) -> None:
-        quiet = time.monotonic() - self._last_ready
+        now = time.monotonic()
+        joining = self.source.unassigned_s
+        if joining is not None:
+            # Records may well be in the topic: the group has not handed this member its
+            # partitions yet (a join or rebalance), and the idle end does not count this.
+            if joining >= self.WAITING_NOTE_S and now >= self._next_join_note:
+                self._next_join_note = now + self.WAITING_NOTE_S
+                o = self.url.options
+                print(f"stream-ctr: waiting for group {o.group!r} to assign partitions of "
+                      f"{', '.join(self.url.topics)} ({joining:.0f} s so far): a join or rebalance, "
+                      f"which a member that did not leave the group (a killed trainer) holds up until "
+                      f"kafka.session_timeout_ms = {o.session_timeout_ms / 1000:g} s drops it; "
+                      f"kafka.stop_when_idle_s does not count this wait", file=sys.stderr, flush=True)
+            return
+        self._next_join_note = 0.0
+        quiet = now - self._last_ready
         if self._said_waiting or quiet < self.WAITING_NOTE_S:
             return
         self._said_waiting = True
@@ -618,8 +649,9 @@ class KafkaInput:
             self.source.commit(self.snapshot())
 
     def where(self) -> str:
-        """Where the next batch starts, for a person: the first partitions' offsets."""
-        return self.snapshot().describe()
+        """Where the next batch starts, for a person: the first partitions' offsets (and,
+        on a resume that names another topic or group, which ones this run reads)."""
+        return self.snapshot().describe() + (f"; {self._switch}" if self._switch else "")
 
     def end_pass(self, completed: bool, limit_reached: bool) -> bool:
         """A stream is never finished: it ends (idle), it never starts over."""
@@ -636,3 +668,33 @@ class KafkaInput:
         stats = self.source.stats.as_dict()
         self.source.close()
         return stats
+
+
+def switched_source(saved: Config, url: KafkaUrl) -> str:
+    """What a person must know when a resume reads another topic or group than its
+    checkpoint ("" when it reads the same).  Like a file run naming another file, it
+    is allowed: a topic the checkpoint read goes on from the checkpoint's offsets
+    (committed to this run's group from now on), any other topic from this run's
+    group's committed offsets, else kafka.start; the checkpoint's offsets of a topic
+    this run does not read are not used."""
+    try:
+        before = parse_kafka_url(saved.data.source, saved.kafka)
+    except SourceError:                 # not a Kafka run (or a URL this version refuses)
+        return ""
+    old_topics, new_topics = set(before.topics), set(url.topics)
+    old_group, new_group = before.options.group, url.options.group
+    if old_topics == new_topics and old_group == new_group:
+        return ""
+
+    def named(topics: set[str]) -> str:
+        return ("topic " if len(topics) == 1 else "topics ") + ", ".join(sorted(topics))
+    said = [f"the checkpoint read {named(old_topics)} (group {old_group!r}); this run reads "
+            f"{named(new_topics)} (group {new_group!r})"]
+    if old_topics & new_topics:
+        said.append(f"{named(old_topics & new_topics)} from the checkpoint's offsets")
+    if new_topics - old_topics:
+        said.append(f"{named(new_topics - old_topics)} from the committed offsets of group {new_group!r} "
+                    f"(else kafka.start = {url.options.start})")
+    if old_topics - new_topics:
+        said.append(f"the checkpoint's offsets of {named(old_topics - new_topics)} are not used")
+    return ": ".join(said[:2]) + "".join(f", {part}" for part in said[2:])

@@ -598,6 +598,9 @@ def start_note(run: Run, show_progress: bool, speaks: bool = True) -> None:
     if run.empty and speaks:
         print(f"stream-ctr: warning: {run.input.path} holds no records (an empty file, an empty gzip or "
               "a header alone): nothing to train", file=sys.stderr, flush=True)
+    if speaks:
+        for warning in run.input.start_warnings():
+            print(f"stream-ctr: warning: {warning}", file=sys.stderr, flush=True)
     run.summary.optim = dataclasses.asdict(run.trainer.optim)
     if show_progress and speaks:
         t = run.trainer

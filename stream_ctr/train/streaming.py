@@ -24,7 +24,7 @@ from stream_ctr.connectors.dead_letter import DeadLetterFile, DeadLetterMark, Ex
 from stream_ctr.connectors.files import detect_format
 from stream_ctr.connectors.formats import RecordFormat
 from stream_ctr.connectors.schema import Schema, parse_schema
-from stream_ctr.connectors.kafka.options import KafkaUrl, is_kafka_url, parse_kafka_url
+from stream_ctr.connectors.kafka.options import KafkaUrl, dead_letter_problem, is_kafka_url, parse_kafka_url
 from stream_ctr.connectors.kafka.positions import filter_partitions
 from stream_ctr.train.batcher import MicroBatcher
 from stream_ctr.train.offset_batches import JOURNAL_NAME, CutJournal, OffsetOrderBatcher
@@ -88,6 +88,9 @@ def stream_url(cfg: Config) -> KafkaUrl | None:
     if not is_kafka_url(cfg.data.source):
         return None
     url = parse_kafka_url(cfg.data.source, cfg.kafka)
+    problem = dead_letter_problem(url.options, url.topics[0])     # {topic} made it too long?
+    if problem:
+        raise ConfigError(problem)
     if cfg.data.holdout_fraction:
         raise ConfigError("data.holdout_fraction needs a file source; score a Kafka-trained "
                           "checkpoint on a file with `stream-ctr eval`")
@@ -123,7 +126,7 @@ def open_dead_letter(cfg: Config, url: KafkaUrl | None, resumed: dict | None) ->
     if url is not None and url.options.dead_letter_topic:
         from stream_ctr.connectors.kafka.sink import KafkaDeadLetter, require_topics
         require_topics(url)                 # a typo must not leave a dead-letter topic behind
-        topic = url.options.dead_letter_topic.replace("{topic}", url.topics[0])
+        topic = url.options.dead_letter_topic_for(url.topics[0])
         sink = KafkaDeadLetter(url, topic, cfg.data.dead_letter_max_bytes)
     else:
         path = cfg.data.dead_letter_path or Path(cfg.train.run_dir) / "dead_letter.jsonl"

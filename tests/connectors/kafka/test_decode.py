@@ -10,7 +10,8 @@ from stream_ctr.connectors.decode import decode_lines
 from stream_ctr.connectors.files import SAMPLE_PATHS, SourceError
 from stream_ctr.connectors.formats import AVAZU, CRITEO
 from stream_ctr.connectors.kafka.decode import decode_messages
-from stream_ctr.connectors.kafka.options import KafkaOptions, parse_kafka_url, start_timestamp_ms
+from stream_ctr.connectors.kafka.options import (KafkaOptions, dead_letter_problem, default_group_warning,
+                                                 parse_kafka_url, start_timestamp_ms)
 from stream_ctr.connectors.kafka.positions import ROWS_DONE, PositionBook, from_positions, to_positions
 
 
@@ -122,11 +123,23 @@ def test_urls_and_options():
     for bad, words in [("kafka:///t", "no broker"), ("kafka://h/t", "HOST:PORT"),
                        ("kafka://h:1", "no topic"), ("kafka://h:1/t?grp=x", "unknown parameter"),
                        ("kafka://h:1/t?format=x", "kafka.format"), ("kafka://h:1/t t", "topic name"),
-                       ("http://h:1/t", "not a Kafka URL")]:
+                       ("http://h:1/t", "not a Kafka URL"),
+                       ("kafka://[::1/t?group=g", "is not a valid URL .Invalid IPv6 URL")]:
         with pytest.raises(SourceError, match=words):
             parse_kafka_url(bad)
     assert start_timestamp_ms("2024-01-01T00:00:00") == 1704067200000
     assert KafkaOptions(start="yesterday").problem() .startswith("kafka.start")
+    # The dead-letter topic is a topic name too: the producer refused it only at the
+    # first bad record, with a traceback in the middle of the stream.
+    for name, words in [("bad name/with spaces", "'bad name/with spaces' is not a valid topic name"),
+                        ("x" * 300, "300 characters; at most 249"), ("..", "not a valid topic name"),
+                        ("{topic}.dlq/1", "'{topic}.dlq/1' gives 't.dlq/1', which is not a valid")]:
+        assert KafkaOptions(dead_letter_topic=name).problem().startswith("kafka.dead_letter_topic "), name
+        assert words in KafkaOptions(dead_letter_topic=name).problem(), name
+    assert KafkaOptions(dead_letter_topic="").problem() is None           # the run's file instead
+    assert KafkaOptions(dead_letter_topic="{topic}-" + "x" * 240).problem() is None
+    assert "251 characters" in dead_letter_problem(KafkaOptions(dead_letter_topic="{topic}-" + "x" * 244),
+                                                   "clicks")      # known once the source topic is
     assert "sasl_mechanism" in KafkaOptions(sasl_mechanism="PLAIN").problem()
 
 
@@ -155,8 +168,55 @@ def test_security_options_pass_through_and_the_password_comes_from_the_environme
     assert rd["enable.auto.commit"] is False and rd["allow.auto.create.topics"] is False
 
 
+def test_librdkafka_takes_every_fetch_size_the_options_accept():
+    """Fetch sizes are soft limits (a larger message still comes whole): any value the
+    options accept makes a librdkafka consumer, and any message size can be received."""
+    confluent_kafka = pytest.importorskip("confluent_kafka")
+    from stream_ctr.connectors.kafka.confluent import librdkafka_config
+    for fetch, partition in [(1024, 1024), (65536, 1 << 20), (999_999, 999_999), (64 << 20, 16 << 20),
+                             ((1 << 31) - 1, (1 << 31) - 1), (10 ** 12, 10 ** 12)]:
+        options = KafkaOptions(fetch_max_bytes=fetch, max_partition_fetch_bytes=partition)
+        assert options.problem() is None
+        config = librdkafka_config(parse_kafka_url("kafka://127.0.0.1:9/t", options))
+        assert config["receive.message.max.bytes"] == 2147483647
+        confluent_kafka.Consumer(config).close()      # librdkafka checks the properties here
+
+
+def test_a_run_without_a_group_warns_that_it_shares_the_default_one(tmp_path):
+    from stream_ctr.config import Config
+    from stream_ctr.train.inputs import KafkaInput
+    warning = default_group_warning(parse_kafka_url("kafka://127.0.0.1:9/clicks"))
+    assert warning == ("kafka: the URL names no group (?group=) and kafka.group is not set: reading clicks "
+                       "in the default group 'stream-ctr', whose committed offsets every run without a "
+                       "group shares; give this run its own with kafka://127.0.0.1:9/clicks?group=NAME")
+    assert default_group_warning(parse_kafka_url("kafka://127.0.0.1:9/clicks?group=stream-ctr")) is None
+    assert default_group_warning(parse_kafka_url("kafka://127.0.0.1:9/clicks", KafkaOptions(group="ctr"))) is None
+    cfg = Config()
+    cfg.train.run_dir = str(tmp_path / "run")
+    kafka_input = KafkaInput(cfg, parse_kafka_url("kafka://127.0.0.1:9/clicks"), lambda: 0, True)
+    assert kafka_input.start_warnings() == [warning]           # (what the trainer prints at its start)
+
+
 def test_the_consumer_client_is_an_option():
     assert parse_kafka_url("kafka://h:1/t?client=confluent").options.client == "confluent"
     assert parse_kafka_url("kafka://h:1/t").options.client == "kafka-python"
     with pytest.raises(SourceError, match="kafka.client must be one of kafka-python, confluent"):
         parse_kafka_url("kafka://h:1/t?client=librdkafka")
+
+
+def test_a_resume_names_the_topic_and_group_it_switches_to():
+    from stream_ctr.config import Config
+    from stream_ctr.train.inputs import switched_source
+    saved = Config()
+    saved.data.source = "kafka://127.0.0.1:9/a,b?group=g1"
+    same = parse_kafka_url("kafka://127.0.0.1:9/b,a", KafkaOptions(group="g1"))
+    assert switched_source(saved, same) == ""
+    assert switched_source(saved, parse_kafka_url("kafka://127.0.0.1:9/a,b?group=g2")) == (
+        "the checkpoint read topics a, b (group 'g1'); this run reads topics a, b (group 'g2'): "
+        "topics a, b from the checkpoint's offsets")
+    assert switched_source(saved, parse_kafka_url("kafka://127.0.0.1:9/b,c?group=g1&start=latest")) == (
+        "the checkpoint read topics a, b (group 'g1'); this run reads topics b, c (group 'g1'): topic b "
+        "from the checkpoint's offsets, topic c from the committed offsets of group 'g1' (else "
+        "kafka.start = latest), the checkpoint's offsets of topic a are not used")
+    saved.data.source = "criteo:sample"                     # (a file run's checkpoint)
+    assert switched_source(saved, same) == ""

@@ -97,6 +97,22 @@ def test_lag_counts_the_records_on_the_broker_not_only_the_buffer(kafka):
     assert fetched < 1000 and lag == 2000 - len(batch)
 
 
+@pytest.mark.parametrize("fetch_bytes", [65536, 1 << 20])
+def test_a_message_larger_than_the_fetch_sizes_is_read_whole(kafka, fetch_bytes):
+    """The broker returns a message larger than the fetch sizes whole; librdkafka used to
+    drop any response over max(fetch sizes) + 1 MiB and fetch it again forever (nothing
+    read, the stream then taken for idle), and refused fetch sizes below 1,000,000."""
+    topic = kafka.topic()
+    big = LINES[50].rstrip(b"\n") + b"a" * 2_500_000       # a long last field: still one record
+    kafka.produce(topic, [*LINES[:50], big, *LINES[51:100]])
+    with open_source(kafka, topic, "g-big", fetch_max_bytes=fetch_bytes,
+                     max_partition_fetch_bytes=fetch_bytes) as source:
+        rows = drain(source)
+        positions = source.trained_positions.to_checkpoint()
+    assert rows is not None and rows.offset.tolist() == list(range(100))
+    assert positions == {f"{topic}/0": 100}
+
+
 def test_backpressure_pauses_and_resumes_without_losing_records(kafka):
     topic = kafka.topic()
     kafka.produce(topic, [b"\n".join(LINES[i:i + 100]) for i in range(0, 3000, 100)])
@@ -295,7 +311,9 @@ def test_an_unexpected_poll_error_is_raised_and_close_still_leaves_the_group(kaf
     source.close()
     assert source._consumer is None
     assert "the last poll failed while closing: RuntimeError" in caplog.text
-    assert closed == [{"autocommit": False}]            # the consumer left the group
+    # The consumer left the group, waiting for the broker's answer as long as it takes (a
+    # member that has joined; one still joining waits only LEAVE_WHILE_JOINING_S).
+    assert closed == [{"autocommit": False, "timeout_ms": None}]
 
 
 def test_an_outage_with_no_partition_to_probe_is_said_when_every_broker_is_down(fresh_broker, kafka_client,

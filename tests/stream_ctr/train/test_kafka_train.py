@@ -99,9 +99,14 @@ def test_user_errors_are_one_line(kafka, tmp_path, capsys):
     cases = [(["kafka://127.0.0.1:9/clicks"], "cannot reach a Kafka broker at 127.0.0.1:9", 3),
              ([kafka.url("no-such-topic-abc")], "topic 'no-such-topic-abc' does not exist", 3),
              (["kafka://127.0.0.1/clicks"], "must be HOST:PORT", 3),
+             (["kafka://[::1/t?group=g"], "'kafka://[::1/t?group=g' is not a valid URL", 3),
              ([kafka.url("t") + "?colour=red"], "unknown parameter 'colour'", 3),
              ([kafka.url("t"), "--holdout-fraction", "0.1"], "data.holdout_fraction needs a file", 2),
-             ([kafka.url("t"), "--set", "kafka.value_format=xml"], "kafka.value_format", 2)]
+             ([kafka.url("t"), "--set", "kafka.value_format=xml"], "kafka.value_format", 2),
+             ([kafka.url("t"), "--set", "kafka.dead_letter_topic=bad name/with spaces"],
+              "kafka.dead_letter_topic 'bad name/with spaces' is not a valid topic name", 2),
+             ([kafka.url("clicks"), "--set", "kafka.dead_letter_topic={topic}" + "x" * 245],
+              "which is not a valid topic name (251 characters; at most 249)", 2)]
     for args, message, code in cases:
         assert main(["train", *args, *run]) == code, args
         err = capsys.readouterr().err.strip().splitlines()
@@ -150,3 +155,47 @@ def test_a_run_waiting_for_records_says_so_once_and_when_they_come_back(kafka, t
     assert err.count(f"waiting for records from {topic}: no batch for") == 2
     assert "rows pending of a 128-row batch); the run ends after kafka.stop_when_idle_s = 10 s" in err
     assert err.count("stream-ctr: records again after") == 1    # not for the idle end's last batch
+
+
+def test_a_run_waiting_for_the_group_says_so_and_does_not_promise_an_idle_end(kafka, tmp_path, monkeypatch,
+                                                                              capsys):
+    """Until the group assigns partitions (tansu admits a member only after half the
+    session timeout) the records wait in the topic: the run says it waits for the group,
+    repeatedly, not that no records come and that the idle end is near."""
+    from stream_ctr.train.inputs import KafkaInput
+    monkeypatch.setattr(KafkaInput, "WAITING_NOTE_S", 0.0)
+    topic = kafka.topic()
+    kafka.produce(topic, gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:300])
+    cfg = kafka_config(tmp_path, kafka.url(topic, "join"))
+    cfg.kafka.stop_when_idle_s = 2.0
+    assert train(cfg, show_progress=False).records_trained == 300
+    lines = capsys.readouterr().err.splitlines()
+    group = kafka.group("join", topic)
+    joining = [i for i, x in enumerate(lines)
+               if x.startswith(f"stream-ctr: waiting for group {group!r} to assign partitions of {topic} (")]
+    idle = [i for i, x in enumerate(lines) if x.startswith(f"stream-ctr: waiting for records from {topic}")]
+    assert joining and all(lines[i].endswith("kafka.stop_when_idle_s does not count this wait") for i in joining)
+    assert max(joining) < min(idle, default=len(lines))     # records are awaited only once assigned
+
+
+def test_a_resume_that_reads_another_topic_or_group_says_so(kafka, tmp_path, capsys):
+    """As a file run may name another file, a resume may name another topic or group
+    (docs/kafka.md): it goes on, and its start line says what it reads from where."""
+    lines = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")
+    first, second = kafka.topic(), kafka.topic()
+    kafka.produce(first, lines[:300])
+    kafka.produce(second, lines[300:500])
+    cfg = kafka_config(tmp_path, kafka.url(first, "g1"))
+    cfg.kafka.stop_when_idle_s = 2.0
+    assert train(cfg, show_progress=False).records_trained == 300
+    capsys.readouterr()
+
+    cfg.data.source = kafka.url(second, "g2")
+    s = train(cfg, resume=cfg.train.run_dir, show_progress=True)
+    assert s.records_trained == 200 and s.records_trained_total == 500
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("stream-ctr: resumed from")]
+    g1, g2 = kafka.group("g1", first), kafka.group("g2", second)
+    assert line.endswith(f"at offsets {first}/0 300; the checkpoint read topic {first} (group {g1!r}); this "
+                         f"run reads topic {second} (group {g2!r}): topic {second} from the committed "
+                         f"offsets of group {g2!r} (else kafka.start = earliest), the checkpoint's offsets of "
+                         f"topic {first} are not used"), line
