@@ -104,8 +104,8 @@ def configure_torch(cfg: Config, processes_per_host: int = 1) -> ThreadChoice:
 
 
 def resume_data_config(cfg: Config, saved: Config) -> None:
-    """What a resumed run reads: the checkpoint's source, holdout, schema and passes
-    (data.epochs) unless the command names others. A resume that names none goes on with the same file and keeps its
+    """What a resumed run reads: the checkpoint's source, holdout, schema, passes
+    (data.epochs) and [kafka] options unless the command names others. A resume that names none goes on with the same file and keeps its
     held-out lines held out (it used to fall back to the bundled sample, and to
     train the held-out lines); naming another file continues training on it (a
     new day of logs), from its first line."""
@@ -113,6 +113,12 @@ def resume_data_config(cfg: Config, saved: Config) -> None:
     for name in ("source", "holdout_fraction", "schema", "epochs"):
         if getattr(cfg.data, name) == getattr(default, name):     # not named by the command
             setattr(cfg.data, name, getattr(saved.data, name))
+    # The run's Kafka options too (a group set with --set kafka.group=X): a resume
+    # without them would read in another group.
+    default_kafka = Config().kafka
+    for f in dataclasses.fields(cfg.kafka):
+        if getattr(cfg.kafka, f.name) == getattr(default_kafka, f.name):
+            setattr(cfg.kafka, f.name, getattr(saved.kafka, f.name))
 
 
 def refuse_changed_model(cfg: Config, saved: Config, resume: str) -> None:

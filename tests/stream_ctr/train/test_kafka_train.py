@@ -178,6 +178,27 @@ def test_a_run_waiting_for_the_group_says_so_and_does_not_promise_an_idle_end(ka
     assert max(joining) < min(idle, default=len(lines))     # records are awaited only once assigned
 
 
+def test_a_resume_keeps_the_runs_kafka_options(kafka, tmp_path, capsys):
+    """A group given as kafka.group (not in the URL) stays the run's on a resume that does
+    not repeat it: the resume reads on from its checkpoint in that group, warns of no
+    default group and says no switch."""
+    lines = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")
+    topic = kafka.topic()
+    kafka.produce(topic, lines[:300])
+    cfg = kafka_config(tmp_path, kafka.url(topic))
+    cfg.kafka.group, cfg.kafka.stop_when_idle_s = kafka.group("own", topic), 2.0
+    assert train(cfg, show_progress=False).records_trained == 300
+    kafka.produce(topic, lines[300:400])
+    again = kafka_config(tmp_path, kafka.url(topic))
+    again.kafka.stop_when_idle_s = 2.0
+    capsys.readouterr()
+    s = train(again, resume=again.train.run_dir, show_progress=True)
+    assert (s.records_trained, s.records_trained_total) == (100, 400)
+    err = capsys.readouterr().err
+    assert "names no group" not in err and "this run reads" not in err, err
+    assert kafka.committed("own", topic, 1) == {f"{topic}/0": 400}
+
+
 def test_a_resume_that_reads_another_topic_or_group_says_so(kafka, tmp_path, capsys):
     """As a file run may name another file, a resume may name another topic or group
     (docs/kafka.md): it goes on, and its start line says what it reads from where."""
