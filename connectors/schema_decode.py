@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import csv
 import importlib
+import math
 import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -64,9 +65,9 @@ def json_parser(name: str) -> Iterator[None]:
 _LF, _CR = 10, 13
 # The compiled JSON scan, unless STREAM_CTR_NO_JIT=1 (then every line takes the per-line parser).
 _SCAN = os.environ.get("STREAM_CTR_NO_JIT", "") != "1"
-_EXPECTED = {"label": "0/1 or true/false (or a number, with threshold)", "weight": "a number >= 0 (at most 3.4e38)",
+_EXPECTED = {"label": "0/1 or true/false (or a number, with threshold)", "weight": "a number >= 0",
              "categorical": "a string, number or boolean",
-             "numeric": "a number (within float32's range, +-3.4e38, after its transform)",
+             "numeric": "a number",
              "event_time": "a time", "multi_hot": "a list of strings, numbers or booleans"}
 
 
@@ -338,12 +339,23 @@ class _Converted:
                         f'a number (epoch s, below {col.EPOCH_S_MAX:g}: larger ones look like epoch ms, unit = "ms")'
                         if f.unit == "s" else
                         f'a number (epoch ms; {lo:g}-{hi:g} looks like epoch seconds, unit = "s")')
+        if _is_number(value) and (isinstance(f, NumericField) or (isinstance(f, WeightField)
+                                                                  and float(value) >= 0)):
+            expected += " (within float32's range, +-3.4e38, after its transform)"   # 1e300
         if isinstance(f, NumericField) and f.transform == "log":
             expected = 'a number > 0 (transform = "log")'
         return f"bad_value:{f.name}", f"{f.name} = {_shown(value)}: expected {expected}"
 
 
 DETAIL_VALUE_CHARS = 200             # of a bad value shown in a reject's detail
+
+
+def _is_number(value: Any) -> bool:
+    """A finite number (or a string of one) that a field still rejected: out of range."""
+    try:
+        return not isinstance(value, bool) and math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 def _shown(value: Any) -> str:
