@@ -110,6 +110,10 @@ class OptimConfig:
     # on an interaction stream (docs/large-batches.md). The ramp's steps keep the run's cap.
     embed_lr_cap_rule: str = "sqrt"     # sqrt | fixed
     embed_lr_max_scale: float = 8.0
+    # With the sqrt cap: not under min(s / 2, floor). sqrt(s / 2) alone gave 2 at 8x the
+    # base batch (8K from 1K), where 4 was 0.5 point better on an interaction stream; 32x
+    # already has 4 (BENCHMARKS, "Large batches"). 0 = sqrt(s / 2) alone.
+    embed_lr_cap_floor: float = 4.0
     # How L2 follows the batch under the scaling rule: "scaled" = l2 x s (the paper, for
     # N epochs); "constant" = l2 as configured. L2 acts on a row only in the steps that
     # hold it: a rare id seen once takes one step at any batch, so l2 x s shrinks it s
@@ -352,7 +356,7 @@ def read_schema_file(path: str) -> str:
 # Optimizer rules a checkpoint written before them ran without: a resumed run keeps
 # training the way it started (a full checkpoint config names every field it had).
 _RULES_ADDED_IN_0_14 = {"beta2_rule": "constant", "rule_warmup_samples": 0, "ramp_samples": 0,
-                        "embed_lr_cap_rule": "fixed"}
+                        "embed_lr_cap_rule": "fixed", "embed_lr_cap_floor": 0.0}
 
 
 def checkpoint_config(raw: dict[str, Any], origin: str) -> "Config":
@@ -562,6 +566,7 @@ def validate(cfg: Config) -> Config:
          f"optim.embed_lr_rule must be constant or count, got {o.embed_lr_rule!r}"),
         (o.embed_lr_cap_rule in ("sqrt", "fixed"),
          f"optim.embed_lr_cap_rule must be sqrt or fixed, got {o.embed_lr_cap_rule!r}"),
+        (o.embed_lr_cap_floor >= 0, f"optim.embed_lr_cap_floor must be >= 0 (0 = none), got {o.embed_lr_cap_floor}"),
         (o.embed_lr_max_scale >= 0,
          f"optim.embed_lr_max_scale must be >= 0 (0 = no cap), got {o.embed_lr_max_scale}"),
         (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)"),
@@ -685,7 +690,7 @@ def count_lr_scale(o: OptimConfig, s: float, run_s: float) -> float:
     if o.embed_lr_rule != "count":
         return 1.0
     if o.embed_lr_cap_rule == "sqrt":
-        cap = math.sqrt(run_s / 2)
+        cap = max(math.sqrt(run_s / 2), min(run_s / 2, o.embed_lr_cap_floor))
     else:
         cap = o.embed_lr_max_scale if o.embed_lr_max_scale > 0 else s
     return max(1.0, min(s, cap))

@@ -154,17 +154,19 @@ def test_the_rule_warms_up_over_a_floor_of_samples_and_scales_beta2():
 def test_a_checkpoint_from_before_the_beta2_rule_keeps_training_as_it_started():
     from stream_ctr.config import checkpoint_config
     old = Config().to_dict()
-    for name in ("beta2_rule", "rule_warmup_samples", "ramp_samples", "embed_lr_cap_rule"):
+    for name in ("beta2_rule", "rule_warmup_samples", "ramp_samples", "embed_lr_cap_rule", "embed_lr_cap_floor"):
         del old["optim"][name]
     cfg = checkpoint_config(old, origin="test")
     assert (cfg.optim.beta2_rule, cfg.optim.rule_warmup_samples) == ("constant", 0)
     assert (cfg.optim.ramp_samples, cfg.optim.embed_lr_cap_rule) == (0, "fixed")
+    assert cfg.optim.embed_lr_cap_floor == 0            # a run keeps the cap it started with
     new = checkpoint_config(Config().to_dict(), origin="test")
+    assert new.optim.embed_lr_cap_floor == 4
     assert (new.optim.beta2_rule, new.optim.rule_warmup_samples) == ("scaled", 500_000)
     assert (new.optim.ramp_samples, new.optim.embed_lr_cap_rule) == (1_048_576, "sqrt")
     # A checkpoint with the beta2 rule but from before the ramp and the sqrt cap.
     mid = Config().to_dict()
-    for name in ("ramp_samples", "embed_lr_cap_rule"):
+    for name in ("ramp_samples", "embed_lr_cap_rule", "embed_lr_cap_floor"):
         del mid["optim"][name]
     cfg = checkpoint_config(mid, origin="test")
     assert (cfg.optim.beta2_rule, cfg.optim.ramp_samples, cfg.optim.embed_lr_cap_rule) == ("scaled", 0, "fixed")
@@ -207,7 +209,13 @@ def test_the_default_rule_is_the_single_pass_one_and_idle_without_a_base_batch()
     r = resolve_optim(cfg)
     assert (r.embed_lr_rule, r.count_lr_s, r.l2) == ("count", 8, 1e-5)
     assert resolve_optim(_criteo_base(32768)).count_lr_s == 4
+    # sqrt(s / 2), not under min(s / 2, 4): 2 at 4x, 4 from 8x to 32x, then sqrt
+    assert [resolve_optim(_criteo_base(b)).count_lr_s for b in (4096, 8192, 16384, 65536)] == \
+        [2, 4, 4, math.sqrt(32)]
     assert resolve_optim(_criteo_base(2048)).count_lr_s == 1.0       # cap 1: off
+    cfg8k = _criteo_base(8192)
+    cfg8k.optim.embed_lr_cap_floor = 0
+    assert resolve_optim(cfg8k).count_lr_s == 2                      # sqrt(8 / 2) alone
     assert math.isclose(r.lr_dense, 90.51e-4, rel_tol=1e-4)
     cfg.optim.scale_from_batch = 0
     r = resolve_optim(cfg)
