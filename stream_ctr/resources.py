@@ -37,7 +37,10 @@ def monitoring_files() -> list[str]:
 def runbook_url_ok(url: str) -> str | None:
     """Why `url` cannot be the runbook page's URL in the alert rules, or None."""
     from urllib.parse import urlsplit
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:             # an unclosed [ of an IPv6 host
+        return f"not a URL ({e})"
     if not parts.scheme or not (parts.netloc or parts.scheme == "file"):
         return "an absolute URL is needed (https://HOST/PATH, or file:///PATH)"
     if "#" in url:

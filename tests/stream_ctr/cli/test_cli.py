@@ -193,7 +193,7 @@ def test_monitoring_export_links_the_runbook_where_it_is_served(tmp_path, promto
                            capture_output=True, text=True)
         assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 
-    for bad in ("docs/RUNBOOK.md", "https://wiki.example.com/runbook#top", 'https://x.example/"a"'):
+    for bad in ("docs/RUNBOOK.md", "https://wiki.example.com/runbook#top", 'https://x.example/"a"', "https://[::1/runbook"):
         refused = run("monitoring", "export", str(tmp_path / "bad"), "--runbook-url", bad)
         assert refused.returncode == 2 and "--runbook-url" in refused.stderr, refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1
