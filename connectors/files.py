@@ -600,7 +600,10 @@ class FileFingerprint:
         """Why the file at `path`, whose fingerprint is now `now`, is not the one this
         fingerprint was taken of ("" when it is, maybe grown): its first bytes differ,
         or it holds fewer bytes of data."""
-        if now.size < self.head_bytes or head_sha256(path, self.head_bytes) != self.head_sha256:
+        # The same head length: `now` already hashed it; a file that was under 64 KiB and grew
+        # is hashed again over the checkpoint's shorter head.
+        head = now.head_sha256 if now.head_bytes == self.head_bytes else head_sha256(path, self.head_bytes)
+        if now.size < self.head_bytes or head != self.head_sha256:
             return f"its first {_kib(self.head_bytes)} differ"
         if now.size < self.size:
             return (f"it holds {now.size:,} bytes of data, fewer than the {self.size:,} the run "

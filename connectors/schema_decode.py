@@ -66,8 +66,7 @@ _LF, _CR = 10, 13
 # The compiled JSON scan, unless STREAM_CTR_NO_JIT=1 (then every line takes the per-line parser).
 _SCAN = os.environ.get("STREAM_CTR_NO_JIT", "") != "1"
 _EXPECTED = {"label": "0/1 or true/false (or a number, with threshold)", "weight": "a number >= 0",
-             "categorical": "a string, number or boolean",
-             "numeric": "a number",
+             "categorical": "a string, number or boolean", "numeric": "a number",
              "event_time": "a time", "multi_hot": "a list of strings, numbers or booleans"}
 
 

@@ -27,7 +27,8 @@ key, or 0.0).  Values of another shape in at most 1% of a field's records
 (a word in a number field, a list in an id field, a string where the others
 hold an object) are outliers: the field keeps the shape of the rest, the
 comment counts them and quotes one, and training rejects such records into
-the dead-letter file rather than letting one row change a column's kind.  The result is a valid schema that trains as it is; the comments
+the dead-letter file rather than letting one row change a column's kind.
+The result is a valid schema that trains as it is; the comments
 are there for the person who edits it.
 """
 from __future__ import annotations

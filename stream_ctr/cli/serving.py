@@ -327,9 +327,9 @@ def cmd_predict(args: argparse.Namespace) -> tuple[dict, str]:
     end = start + len(probs) + rejected             # the lines read: up to stop, or the end
     # One value per line read, NaN where the line did not decode: the output lines up
     # with the input (row i of the output is data line start + i).
-    per_line = np.full(end - start, np.nan, np.float32)
-    if len(probs):
-        per_line[np.concatenate(offsets) - start] = probs
+    at = np.concatenate(offsets) - start if offsets else np.zeros(0, np.int64)
+    per_line = np.full(max(end - start, int(at.max()) + 1 if len(at) else 0), np.nan, np.float32)
+    per_line[at] = probs
     if out.suffix == ".npy":
         np.save(out, per_line)
     else:
