@@ -164,7 +164,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import time
         mirror = KafkaMirror(args.follow, tempfile.mkdtemp(prefix="stream-ctr-follow-")).start()
         deadline = time.monotonic() + args.follow_wait_s
-        while not (mirror.root / "PUBLISHED.json").exists() and time.monotonic() < deadline:
+        # Up to the topic's end as it was at start, so the first model served is the newest
+        # one (the topic holds every older version and index before it).
+        while not (mirror.caught_up.is_set() and (mirror.root / "PUBLISHED.json").exists()) \
+                and time.monotonic() < deadline:
             time.sleep(0.1)
         args.follow = str(mirror.root)
     source = args.bundle or args.follow

@@ -17,7 +17,9 @@ The topic carries the publish directory (published.py), file by file:
   partition, no consumer group) and rebuilds the directory in a local folder: a
   version's files go under a temporary name and are renamed into place once all
   parts are there; an index is written (atomically) only when every version it
-  names is complete. The `Follower` follows that folder as any other.
+  names is complete. The `Follower` follows that folder as any other. Its
+  `caught_up` event is set once it has read as far as the topic's end at its
+  start, so a server starts on the newest version, not on the first index read.
 
 The topic is created with one partition (order matters). It grows with every
 version: give it a retention long enough to hold the newest full snapshot and
@@ -111,9 +113,13 @@ class KafkaMirror:
         self.root.mkdir(parents=True, exist_ok=True)
         self._consumer = KafkaConsumer(**client_config(self.url), group_id=None, enable_auto_commit=False,
                                        fetch_max_bytes=64 << 20, max_partition_fetch_bytes=16 << 20)
-        tp = TopicPartition(self.url.topics[0], 0)
-        self._consumer.assign([tp])
-        self._consumer.seek_to_beginning(tp)
+        self._tp = TopicPartition(self.url.topics[0], 0)
+        self._consumer.assign([self._tp])
+        self._consumer.seek_to_beginning(self._tp)
+        # The topic's end when the mirror starts: once read up to there, the directory holds
+        # the newest version published before this server started (see `caught_up`).
+        self._start_end = self._consumer.end_offsets([self._tp]).get(self._tp) or 0
+        self.caught_up = threading.Event()
         self._parts: dict[str, set[int]] = {}       # file -> the parts of it on disk
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stream-ctr-kafka-mirror", daemon=True)
@@ -132,6 +138,8 @@ class KafkaMirror:
             for records in self._consumer.poll(timeout_ms=200).values():
                 for r in records:
                     self.take(r.key or b"", r.value or b"", dict(r.headers or []))
+            if not self.caught_up.is_set() and self._consumer.position(self._tp) >= self._start_end:
+                self.caught_up.set()
 
     def take(self, key: bytes, value: bytes, headers: dict[str, bytes]) -> None:
         """One message of the topic (see the module docstring)."""
