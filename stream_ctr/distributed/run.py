@@ -95,6 +95,7 @@ class Job:
         self.cfg = run.cfg
         self.ckpt_root = root
         self.global_step = job.manifest["global_step"] if job else 0
+        self.resumed_job = job.path if job is not None else None
         self.job_seq = _broadcast_int(jobs.last_seq(root) if ctx.is_main else 0)
         if cfg.data.limit_records:       # this rank's share of the records to train
             w, r = ctx.world_size, ctx.rank
@@ -281,6 +282,20 @@ class Job:
         """Whether serving.publish_every_s has passed on rank 0 (a job checkpoint is due)."""
         return self.run.publisher is not None and self.run.publisher.due()
 
+    def finish_already_finished(self) -> RunSummary:
+        """A resumed job whose every rank had done its passes over its share of the file:
+        one line says so, no step and no job checkpoint (each restart would write one
+        more, deleting an older); the summary is the job's as resumed."""
+        run = self.run
+        if self.ctx.is_main:
+            print(f"stream-ctr: {run.finished}", file=sys.stderr, flush=True)
+        with run:               # (its exit closes the input, as at the end of a job that trained)
+            pass
+        summary = self.finish(0.0)
+        summary.already_finished = run.finished
+        summary.checkpoint = str(self.resumed_job)
+        return summary
+
     def finish(self, seconds: float) -> RunSummary:
         run = self.run
         s = run.finish(seconds)          # the holdout evaluation is collective: all ranks run it
@@ -392,6 +407,9 @@ def lockstep(job: Job, show_progress: bool) -> DistributedSummary:
     reading, was asked to stop or wants a checkpoint; then all step (a rank without a
     batch takes an idle step) and checkpoint together."""
     run, ctx = job.run, job.ctx
+    (anyone_has_more,) = agree([not run.finished])
+    if not anyone_has_more:
+        return job.finish_already_finished()
     start_note(run, show_progress, speaks=ctx.is_main)
     label = f"train ({ctx.world_size} ranks, rank 0 shown)"
     progress = Progress(label, run.cfg.train.log_every_s, enabled=show_progress and ctx.is_main)

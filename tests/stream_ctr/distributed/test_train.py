@@ -309,3 +309,19 @@ def test_a_job_publishes_full_snapshots_that_serve_its_final_checkpoints_export(
     assert main(["export", job2, "--out", str(tmp_path / "final2"), "--quiet"]) == 0
     assert np.array_equal(Scorer(read_bundle(version_dirs(pub)[6])).score(batch),
                           Scorer(read_bundle(tmp_path / "final2")).score(batch))
+
+
+def test_resuming_a_finished_job_trains_nothing_and_writes_no_checkpoint(reference_job):
+    """Every rank did its pass: a restart (a supervisor's, say) says so, steps nothing and
+    leaves the job's checkpoints as they were, and its summary still scores the holdout."""
+    from stream_ctr.distributed.job_checkpoint import last_seq
+    run_dir, ref = reference_job
+    before = last_seq(run_dir / "checkpoints")
+    resumed = values(run_ranks(train_rank, 2, job_config(run_dir), str(run_dir)))
+    assert last_seq(run_dir / "checkpoints") == before
+    for r in resumed:
+        s = r["summary"]
+        assert r["offsets"] == [] and s["records_trained"] == 0 and s["steps"] == ref[0]["summary"]["steps"]
+        assert s["already_finished"].startswith("the run finished its 1 pass over criteo_kaggle_sample")
+        assert s["checkpoint"] == ref[0]["summary"]["checkpoint"]
+        assert s["test_auc"] == ref[0]["summary"]["test_auc"]
