@@ -43,7 +43,7 @@ import numpy as np
 from stream_ctr.connectors.batch import Batch, Rejected
 from stream_ctr.connectors.decode import decode_buffer
 from stream_ctr.connectors.formats import RecordFormat
-from stream_ctr.connectors.kafka.schema_messages import decode_schema_messages
+from stream_ctr.connectors.kafka.schema_messages import decode_schema_messages, in_message
 from stream_ctr.connectors.schema import Schema
 
 EMPTY_MESSAGE, BAD_JSON = "empty_message", "bad_json"
@@ -135,7 +135,7 @@ def _decode(values: list[bytes], msg_partition: np.ndarray, msg_offset: np.ndarr
         line_msg = np.arange(len(values))      # rejects index lines, rows index good rows
         row_msg = row_line
         line_in_message = np.zeros_like(row_line)
-        no_line = []
+        lines_per_message = None
     else:
         lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
         msg_start = np.zeros(len(values), dtype=np.int64)
@@ -147,7 +147,6 @@ def _decode(values: list[bytes], msg_partition: np.ndarray, msg_offset: np.ndarr
         lines_per_message = np.bincount(line_msg[~empty], minlength=len(values))
         first_rank = np.cumsum(lines_per_message) - lines_per_message
         line_in_message = rank[row_line] - first_rank[row_msg]
-        no_line = np.flatnonzero(lines_per_message == 0)
     rows_per_message = np.bincount(row_msg, minlength=len(values)).astype(np.int64)
     batch.offset = msg_offset[row_msg].astype(np.int64)
     batch.partition = msg_partition[row_msg].astype(np.int32)
@@ -155,15 +154,19 @@ def _decode(values: list[bytes], msg_partition: np.ndarray, msg_offset: np.ndarr
     if fmt.name == "criteo":          # no event time in the record: use the message's
         batch.event_time_ms = msg_time_ms[row_msg].astype(np.int64)
 
-    def reject(msg: int, reason: str, raw: bytes) -> Rejected:
-        return Rejected(partitions[msg_partition[msg]], int(msg_offset[msg]), reason, raw)
+    def reject(msg: int, reason: str, raw: bytes, detail: str = "") -> Rejected:
+        return Rejected(partitions[msg_partition[msg]], int(msg_offset[msg]), reason, raw, detail)
 
-    rejected = [reject(int(line_msg[r.offset]), r.reason, r.raw) for r in lines.rejected]
-    if len(no_line):
+    if lines_per_message is None:       # one line per message
+        rejected = [reject(int(line_msg[r.offset]), r.reason, r.raw, r.detail) for r in lines.rejected]
+    else:
+        rejected = [reject(int(m), r.reason, r.raw,
+                           in_message(r.detail, int(rank[r.offset] - first_rank[m]), int(lines_per_message[m])))
+                    for r in lines.rejected for m in (line_msg[r.offset],)]
         json_bad = set(bad_json)
         rejected += [reject(m, BAD_JSON, raw_values[m]) if m in json_bad
                      else reject(m, EMPTY_MESSAGE, b"")
-                     for m in map(int, no_line)]
+                     for m in np.flatnonzero(lines_per_message == 0).tolist()]
     return DecodedMessages(batch, rejected, rows_per_message, line_in_message)
 
 

@@ -51,9 +51,20 @@ def decode_schema_messages(values: list[bytes], msg_partition: np.ndarray, msg_o
     def at_message(m: int, reason: str, raw_bytes: bytes, detail: str = "") -> Rejected:
         return Rejected(partitions[msg_partition[m]], int(msg_offset[m]), reason, raw_bytes, detail)
 
-    rejected = [at_message(int(line_msg[r.offset]), r.reason, r.raw, r.detail) for r in line_rejects]
+    rejected = [at_message(int(m), r.reason, r.raw, in_message(r.detail, int(rank[r.offset] - first_rank[m]),
+                                                               int(per_message[m])))
+                for r in line_rejects for m in (line_msg[r.offset],)]
     rejected += [at_message(m, EMPTY_MESSAGE, b"") for m in np.flatnonzero(per_message == 0).tolist()]
     return batch, rejected, rows_per_message, line_in_message
+
+
+def in_message(detail: str, line: int, lines: int) -> str:
+    """A reject's detail, with which of its message's record lines it was when the message
+    held several (its dead letter names the message's offset, shared by all of them)."""
+    if lines <= 1:
+        return detail
+    where = f"record line {line + 1} of {lines} in its message"
+    return f"{detail}; {where}" if detail else where
 
 
 def _blank_lines(data: bytes, line_start: np.ndarray, lfs: np.ndarray, schema: Schema) -> np.ndarray:

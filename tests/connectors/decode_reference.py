@@ -152,7 +152,8 @@ def decode_messages(values, msg_partition, msg_offset, msg_time_ms, partitions, 
                     value_format="text"):
     """Rows in message order then line order; the non-empty lines of a message are
     its records.  Rejects: bad lines in that order, then the messages without
-    any line (bad_json with the raw value, or empty_message)."""
+    any line (bad_json with the raw value, or empty_message).  A bad line of a message
+    of several records names which it was in its detail."""
     rows, row_partition, line_in_message, rows_per_message = [], [], [], []
     bad_lines, no_line = [], []
     for m, value in enumerate(values):
@@ -166,7 +167,8 @@ def decode_messages(values, msg_partition, msg_offset, msg_time_ms, partitions, 
         for k, line in enumerate(map(_without_cr, lines)):
             record = decode_record(line, fmt)
             if isinstance(record, str):
-                bad_lines.append(Rejected(partitions[p], offset, record, line))
+                where = f"record line {k + 1} of {len(lines)} in its message" if len(lines) > 1 else ""
+                bad_lines.append(Rejected(partitions[p], offset, record, line, where))
                 continue
             label, dense, keys, time = record
             rows.append((offset, label, dense, keys, int(msg_time_ms[m]) if fmt.name == "criteo" else time))

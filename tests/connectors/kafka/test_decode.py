@@ -51,6 +51,10 @@ def test_packed_messages_trailing_newlines_and_empty_messages():
     assert d.line_in_message.tolist() == [0, 0, 1, 2, 0, 0, 1, 2, 3, 4]
     assert sorted((r.offset, r.reason) for r in d.rejected) == [(102, "empty_message"),
                                                                 (103, "field_count")]
+    # Several records in one message share its offset: a reject among them says which it was.
+    bad = decode([b"\n".join([lines[0], b"1\t2", lines[1]]), b"1\t2"])
+    assert [(r.offset, r.reason, r.detail) for r in bad.rejected] == [
+        (100, "field_count", "record line 2 of 3 in its message"), (101, "field_count", "")]
 
 
 def test_json_objects_map_named_fields_through_the_format():

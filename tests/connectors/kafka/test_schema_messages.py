@@ -39,4 +39,7 @@ def test_one_or_many_records_per_message():
     assert got == [(102, "empty_message"), (103, "bad_value:price"), (104, "bad_json"),
                    (105, "empty_message"), (106, "missing:ad")]
     assert all(r.partition == "t/0" for r in out.rejected)
-    assert [r.detail for r in out.rejected if r.reason == "bad_value:price"] == ["price = 'x': expected a number"]
+    # Its message held two records: which one failed (they share the message's offset).
+    assert [r.detail for r in out.rejected if r.reason == "bad_value:price"] == \
+        ["price = 'x': expected a number; record line 1 of 2 in its message"]
+    assert "record line" not in next(r.detail for r in out.rejected if r.reason == "missing:ad")   # alone
