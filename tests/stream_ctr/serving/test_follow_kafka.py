@@ -1,9 +1,10 @@
 """Must-show: a predict server follows a trainer reading a real broker, through a SIGKILL.
 
 The bundled Criteo sample is produced into a 2-partition topic of the test broker
-(tansu) in packed messages over ~30 s. `stream-ctr train URL --resume DIR
---publish PUB --publish-every-s 1` runs as a subprocess; once it has published,
-`stream-ctr serve --follow PUB` starts as another. A watcher asks the server for
+(tansu) in packed messages over ~30 s, its last message only once the server has
+answered with two versions. `stream-ctr train URL --resume DIR --publish PUB
+--publish-every-s 1` runs as a subprocess; once it has published, `stream-ctr
+serve --follow PUB` starts as another. A watcher asks the server for
 predictions all along. The trainer is SIGKILLed mid-stream and the same command
 line restarted; it trains the rest and exits when the topic is idle.
 
@@ -80,11 +81,20 @@ def test_a_server_follows_a_kafka_trainer_through_a_sigkill(kafka, tmp_path):
     messages = [b"\n".join(lines[i:i + PACKED]) for i in range(0, len(lines), PACKED)]
     per_chunk = -(-len(messages) // CHUNKS)
     produced_all_at: list[float] = []
+    two_served = threading.Event()
 
     def produce() -> None:
-        for c in range(CHUNKS):
-            chunk = messages[c * per_chunk:(c + 1) * per_chunk]
-            kafka.produce(topic, chunk, [i % 2 for i in range(len(chunk))])
+        # A chunk every PRODUCE_EVERY_S; once half is sent and until the server has answered
+        # with two versions, one message at a time (records keep arriving: the trainer never
+        # stops idle), and the last one only after that. However slow the start-ups, records
+        # are still arriving when the server has served two versions.
+        sent = 0
+        while sent < len(messages):
+            n = per_chunk if sent < len(messages) // 2 or two_served.is_set() else 1
+            if sent + n >= len(messages):
+                two_served.wait(600)
+            kafka.produce(topic, messages[sent:sent + n], [(sent + i) % 2 for i in range(n)])
+            sent += n
             time.sleep(PRODUCE_EVERY_S)
         produced_all_at.append(time.time())
 
@@ -111,7 +121,8 @@ def test_a_server_follows_a_kafka_trainer_through_a_sigkill(kafka, tmp_path):
         # command line again.
         wait_for("two versions served", lambda: len({v for _, v, _ in watcher.answers}) >= 2,
                  procs=(first, server))
-        assert producer.is_alive(), "the whole topic was produced before the server saw two versions"
+        assert producer.is_alive() and not produced_all_at, "the whole topic was produced already"
+        two_served.set()
         time.sleep(0.7)                         # into training after the last publish
         first.send_signal(signal.SIGKILL)
         first.communicate(timeout=60)
@@ -151,6 +162,7 @@ def test_a_server_follows_a_kafka_trainer_through_a_sigkill(kafka, tmp_path):
                 p.communicate(timeout=60)
         if watcher is not None:
             watcher.stop.set()
+        two_served.set()                        # (the producer's last message, on a failure)
     producer.join(60)
 
     answers = watcher.answers
