@@ -229,3 +229,48 @@ def test_publishing_through_a_kafka_topic(kafka, tmp_path):
     finally:
         server.terminate()
         server.communicate(timeout=60)
+
+
+def test_a_mirror_is_caught_up_only_once_it_holds_the_newest_index(kafka, tmp_path):
+    """`KafkaMirror.caught_up` is set once every message up to the topic's end at the
+    mirror's start is taken: here the newest index shares its batch with its version's
+    files (tansu's ListOffsets then answers the end at that batch's first offset, plus
+    one), and the mirror reads one message a poll, as a topic longer than a poll is read."""
+    import functools
+    import kafka as kafka_python
+    from stream_ctr.serving.kafka_publish import VERSION_FILES, KafkaMirror
+    topic = kafka.topic()
+    producer = kafka_python.KafkaProducer(bootstrap_servers=kafka.bootstrap, acks="all", linger_ms=5)
+    for v in (1, 2, 3):
+        for name in VERSION_FILES:
+            producer.send(topic, key=f"v-{v:08d}/{name}".encode(), value=b"x",
+                          headers=[("part", b"0"), ("parts", b"1")])
+        if v < 3:
+            producer.flush()
+        producer.send(topic, key=b"PUBLISHED.json",
+                      value=json.dumps({"latest": v, "full": 1, "chain": list(range(2, v + 1))}).encode())
+        producer.flush()
+    producer.close()
+
+    class Noted(threading.Event):
+        """The mirrored index's latest version when the event is set."""
+        latest: int | None = None
+
+        def set(self) -> None:
+            index = tmp_path / "mirror" / "PUBLISHED.json"
+            self.latest = read_index(tmp_path / "mirror").latest if index.exists() else None
+            super().set()
+
+    real = kafka_python.KafkaConsumer
+    kafka_python.KafkaConsumer = functools.partial(real, max_poll_records=1)
+    try:
+        mirror = KafkaMirror(f"kafka://{kafka.bootstrap}/{topic}", tmp_path / "mirror")
+    finally:
+        kafka_python.KafkaConsumer = real
+    mirror.caught_up = Noted()
+    mirror.start()
+    try:
+        assert mirror.caught_up.wait(timeout=60)
+        assert mirror.caught_up.latest == 3
+    finally:
+        mirror.close()
