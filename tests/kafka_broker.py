@@ -18,6 +18,7 @@ processes started here are stopped.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -91,17 +92,27 @@ class KafkaHelper:
         """The committed offsets of `url(topic, group)`'s group as {"topic/p": offset}."""
         return committed_offsets(self.bootstrap, self.group(group, topic), topic, partitions)
 
-    def read_all(self, topic: str, partitions: int = 1, idle_ms: int = 3000) -> list:
-        """Every record of `topic` (ConsumerRecords), partition by partition."""
+    def read_all(self, topic: str, partitions: int = 1, timeout_s: float = 120.0) -> list:
+        """Every record of `topic` (ConsumerRecords), partition by partition: read up to the
+        high watermark the fetch answers give, not until a quiet spell (a first fetch slower
+        than that on a loaded machine ended the read early) nor to the ListOffsets answer
+        (tansu's is behind its log)."""
         from kafka import KafkaConsumer, TopicPartition
-        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None,
-                                 enable_auto_commit=False, consumer_timeout_ms=idle_ms)
+        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None, enable_auto_commit=False)
         tps = [TopicPartition(topic, p) for p in range(partitions)]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        records = list(consumer)
-        consumer.close()
-        return records
+        got: dict = {tp: [] for tp in tps}
+        deadline = time.monotonic() + timeout_s
+        try:
+            consumer.assign(tps)
+            consumer.seek_to_beginning(*tps)
+            while not all(consumer.highwater(tp) is not None and consumer.position(tp) >= consumer.highwater(tp)
+                          for tp in tps):
+                assert time.monotonic() < deadline, f"{topic} not read to its end within {timeout_s:g} s"
+                for tp, records in consumer.poll(timeout_ms=200).items():
+                    got[tp] += records
+        finally:
+            consumer.close()
+        return [r for tp in tps for r in got[tp]]
 
     def dead_letters(self, topic: str) -> list[dict]:
         from stream_ctr.connectors.kafka.sink import topic_partitions

@@ -117,8 +117,11 @@ class KafkaMirror:
         self._consumer.assign([self._tp])
         self._consumer.seek_to_beginning(self._tp)
         # The topic's end when the mirror starts: once read up to there, the directory holds
-        # the newest version published before this server started (see `caught_up`).
-        self._start_end = self._consumer.end_offsets([self._tp]).get(self._tp) or 0
+        # the newest version published before this server started (see `caught_up`). Taken
+        # from the first fetch answer (sent after this), not asked with ListOffsets: tansu
+        # answers that behind its log (the first offset of its last batch, plus one), and a
+        # mirror that stopped there would serve the index before the newest.
+        self._start_end: int | None = None
         self.caught_up = threading.Event()
         self._parts: dict[str, set[int]] = {}       # file -> the parts of it on disk
         self._stop = threading.Event()
@@ -138,8 +141,11 @@ class KafkaMirror:
             for records in self._consumer.poll(timeout_ms=200).values():
                 for r in records:
                     self.take(r.key or b"", r.value or b"", dict(r.headers or []))
-            if not self.caught_up.is_set() and self._consumer.position(self._tp) >= self._start_end:
-                self.caught_up.set()
+            if not self.caught_up.is_set():
+                if self._start_end is None:     # the high watermark a fetch answered; None before
+                    self._start_end = self._consumer.highwater(self._tp)
+                if self._start_end is not None and self._consumer.position(self._tp) >= self._start_end:
+                    self.caught_up.set()
 
     def take(self, key: bytes, value: bytes, headers: dict[str, bytes]) -> None:
         """One message of the topic (see the module docstring)."""

@@ -26,7 +26,7 @@ def test_packed_round_robin_replay_keeps_file_order_and_resumes(kafka):
     assert (s1.records, s1.messages, s1.partitions, s1.next_offset) == (1000, 10, 2, 1000)
     s2 = replay_file("criteo:sample", kafka.url(topic), packed=100, resume=s1.next_offset, limit=500)
     assert (s2.first_offset, s2.next_offset, s2.records) == (1000, 1500, 500)
-    parts = by_partition(kafka.read_all(topic, 2, idle_ms=1000))
+    parts = by_partition(kafka.read_all(topic, 2))
     # Message m holds lines [100m, 100m + 100) and went to partition m % 2.
     expected = {p: [ln for m in range(15) if m % 2 == p for ln in CRITEO_LINES[100 * m:100 * m + 100]]
                 for p in (0, 1)}
@@ -37,7 +37,7 @@ def test_keyed_replay_sends_one_key_to_one_partition_and_skips_the_avazu_header(
     topic = kafka.topic(partitions=3)
     s = replay_file("avazu:sample", kafka.url(topic), key="field:device_ip", limit=300)
     assert s.records == 300
-    records = kafka.read_all(topic, 3, idle_ms=1000)
+    records = kafka.read_all(topic, 3)
     assert sorted(r.value for r in records) == sorted(AVAZU_LINES[1:301])   # header not sent
     partition_of = {}
     for r in records:
@@ -104,7 +104,7 @@ def test_broker_stopped_mid_replay_stops_with_next_offset_and_the_resume_loses_n
     def stop_the_broker_once(records, n_bytes, seconds, next_offset):
         if fresh_broker.running and records >= 1000:
             at_stop.update(records=records, next_offset=next_offset,
-                           on_broker=by_partition(kafka.read_all(topic, 2, idle_ms=1000)))
+                           on_broker=by_partition(kafka.read_all(topic, 2)))
             fresh_broker.stop()              # memory storage: what it held is gone
 
     create_topic(parse_kafka_url(url), topic, 2)
@@ -123,7 +123,7 @@ def test_broker_stopped_mid_replay_stops_with_next_offset_and_the_resume_loses_n
                  str(total - s.next_offset), "--resume", str(s.next_offset), "--json", "--quiet"]) == 0
     resumed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (resumed["records"], resumed["next_offset"]) == (total - s.next_offset, total)
-    assert in_file_order_per_partition(by_partition(kafka.read_all(topic, 2, idle_ms=1000)),
+    assert in_file_order_per_partition(by_partition(kafka.read_all(topic, 2)),
                                        CRITEO_LINES[s.next_offset:total])
 
 
@@ -139,7 +139,7 @@ def test_truncated_gzip_stops_with_what_was_produced_and_next_offset(kafka, monk
     s = failed.value.summary
     assert str(path) in str(failed.value) and f"--resume {s.next_offset}" in str(failed.value)
     assert 0 < s.records == s.next_offset < 6000
-    assert [r.value for r in kafka.read_all(topic, idle_ms=1000)] == CRITEO_LINES[:s.next_offset]
+    assert [r.value for r in kafka.read_all(topic)] == CRITEO_LINES[:s.next_offset]
     # The command: one error line, non-zero status.
     assert main(["replay", f"criteo:{path}", "--to", kafka.url(kafka.topic()), "--quiet"]) == 3
     err = capsys.readouterr().err.strip().splitlines()
@@ -169,7 +169,7 @@ def test_interrupted_keyed_replay_reports_the_first_unacknowledged_line(kafka, m
     monkeypatch.setattr(stream_ctr.connectors.kafka.replay, "_throttle", ctrl_c_after_the_1990th_send)
     s = replay_file("criteo:sample", kafka.url(topic), key="line", rate=1e9, limit=2000)
     assert s.interrupted and s.records == 1990
-    on_broker = {int(r.key) for r in kafka.read_all(topic, 3, idle_ms=1000)}
+    on_broker = {int(r.key) for r in kafka.read_all(topic, 3)}
     assert len(on_broker) == s.records
     # Every line before next_offset is on the broker, the line at it is not.
     assert 0 < s.next_offset < 2000 and set(range(s.next_offset)) <= on_broker

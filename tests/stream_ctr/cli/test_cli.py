@@ -98,11 +98,19 @@ def test_sigterm_finishes_batch_and_checkpoints(tmp_path):
     proc = subprocess.Popen(CLI + ["train", "criteo:sample", "--epochs", "1000", "--batch-size", "64",
                                    "--run-dir", str(run_dir), "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def trained() -> bool:
+        """The run's time series has an interval record with records trained (one a second)."""
+        path = run_dir / "timeseries.jsonl"
+        lines = path.read_text().split("\n")[:-1] if path.exists() else []     # (not a line being written)
+        return any(json.loads(x).get("kind") == "interval" and json.loads(x)["records"] > 0 for x in lines)
+
     try:
+        # Trained for a while, not a fixed 3 s after its start (a first batch can take that
+        # on a loaded machine, and a run stopped before it trains nothing).
         deadline = time.time() + 120
-        while not (run_dir / "dead_letter.jsonl").exists() and time.time() < deadline:
+        while not trained() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)
-        time.sleep(3)          # let it train for a while
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:

@@ -210,14 +210,16 @@ def test_hierarchical_is_synchronous_inside_a_node_and_merges_across_nodes_every
 
 
 def stalled_node_merge(rank: int, world: int) -> str:
-    """Rank 1 hangs (alive) past the job's timeout while rank 0 reduces the node's gradients."""
+    """Rank 1 hangs (alive) past the merger's timeout while rank 0 reduces the node's gradients.
+    The job's own timeout is not that short: with 3 s for everything, the rendezvous, the
+    node groups' creation and `agree` also had to fit in 3 s on a loaded machine."""
     import time
     from stream_ctr.distributed.context import DistributedError, agree, init_distributed
     from stream_ctr.distributed.merge import DenseMerger
-    ctx = init_distributed(torch.device("cpu"), timeout_s=3)
+    init_distributed(torch.device("cpu"), timeout_s=60)
     model = _model()
     merger = DenseMerger(model, torch.optim.Adam(model.parameters()), k=4, merge_moments=False,
-                         hierarchical=True, node_size=2, timeout_s=ctx.timeout_s)
+                         hierarchical=True, node_size=2, timeout_s=3)
     agree([True])
     if rank == 1:
         time.sleep(10)
@@ -229,7 +231,8 @@ def stalled_node_merge(rank: int, world: int) -> str:
 
 
 def test_a_hung_peer_fails_a_node_merge_within_the_job_timeout():
-    """Node groups used to get torch's default timeout (30 min for gloo), not the job's:
-    rank 0 then simply waited for the hung peer and merged."""
+    """Node groups used to get torch's default timeout (30 min for gloo), not the job's
+    (the merger's `timeout_s`, which a run sets to it): rank 0 then simply waited for the
+    hung peer and merged."""
     outcomes = run_ranks(stalled_node_merge, 2, timeout_s=90)
     assert outcomes[0].ok and outcomes[0].value == "DistributedError", outcomes[0]

@@ -1,9 +1,10 @@
 """Must-show: a predict server follows a trainer reading a real broker, through a SIGKILL.
 
 The bundled Criteo sample is produced into a 2-partition topic of the test broker
-(tansu) in packed messages over ~30 s. `stream-ctr train URL --resume DIR
---publish PUB --publish-every-s 1` runs as a subprocess; once it has published,
-`stream-ctr serve --follow PUB` starts as another. A watcher asks the server for
+(tansu) in packed messages over ~30 s, its last message only once the server has
+answered with two versions. `stream-ctr train URL --resume DIR --publish PUB
+--publish-every-s 1` runs as a subprocess; once it has published, `stream-ctr
+serve --follow PUB` starts as another. A watcher asks the server for
 predictions all along. The trainer is SIGKILLed mid-stream and the same command
 line restarted; it trains the rest and exits when the topic is idle.
 
@@ -80,11 +81,20 @@ def test_a_server_follows_a_kafka_trainer_through_a_sigkill(kafka, tmp_path):
     messages = [b"\n".join(lines[i:i + PACKED]) for i in range(0, len(lines), PACKED)]
     per_chunk = -(-len(messages) // CHUNKS)
     produced_all_at: list[float] = []
+    two_served = threading.Event()
 
     def produce() -> None:
-        for c in range(CHUNKS):
-            chunk = messages[c * per_chunk:(c + 1) * per_chunk]
-            kafka.produce(topic, chunk, [i % 2 for i in range(len(chunk))])
+        # A chunk every PRODUCE_EVERY_S; once half is sent and until the server has answered
+        # with two versions, one message at a time (records keep arriving: the trainer never
+        # stops idle), and the last one only after that. However slow the start-ups, records
+        # are still arriving when the server has served two versions.
+        sent = 0
+        while sent < len(messages):
+            n = per_chunk if sent < len(messages) // 2 or two_served.is_set() else 1
+            if sent + n >= len(messages):
+                two_served.wait(600)
+            kafka.produce(topic, messages[sent:sent + n], [(sent + i) % 2 for i in range(n)])
+            sent += n
             time.sleep(PRODUCE_EVERY_S)
         produced_all_at.append(time.time())
 
@@ -111,7 +121,8 @@ def test_a_server_follows_a_kafka_trainer_through_a_sigkill(kafka, tmp_path):
         # command line again.
         wait_for("two versions served", lambda: len({v for _, v, _ in watcher.answers}) >= 2,
                  procs=(first, server))
-        assert producer.is_alive(), "the whole topic was produced before the server saw two versions"
+        assert producer.is_alive() and not produced_all_at, "the whole topic was produced already"
+        two_served.set()
         time.sleep(0.7)                         # into training after the last publish
         first.send_signal(signal.SIGKILL)
         first.communicate(timeout=60)
@@ -151,6 +162,7 @@ def test_a_server_follows_a_kafka_trainer_through_a_sigkill(kafka, tmp_path):
                 p.communicate(timeout=60)
         if watcher is not None:
             watcher.stop.set()
+        two_served.set()                        # (the producer's last message, on a failure)
     producer.join(60)
 
     answers = watcher.answers
@@ -217,3 +229,48 @@ def test_publishing_through_a_kafka_topic(kafka, tmp_path):
     finally:
         server.terminate()
         server.communicate(timeout=60)
+
+
+def test_a_mirror_is_caught_up_only_once_it_holds_the_newest_index(kafka, tmp_path):
+    """`KafkaMirror.caught_up` is set once every message up to the topic's end at the
+    mirror's start is taken: here the newest index shares its batch with its version's
+    files (tansu's ListOffsets then answers the end at that batch's first offset, plus
+    one), and the mirror reads one message a poll, as a topic longer than a poll is read."""
+    import functools
+    import kafka as kafka_python
+    from stream_ctr.serving.kafka_publish import VERSION_FILES, KafkaMirror
+    topic = kafka.topic()
+    producer = kafka_python.KafkaProducer(bootstrap_servers=kafka.bootstrap, acks="all", linger_ms=5)
+    for v in (1, 2, 3):
+        for name in VERSION_FILES:
+            producer.send(topic, key=f"v-{v:08d}/{name}".encode(), value=b"x",
+                          headers=[("part", b"0"), ("parts", b"1")])
+        if v < 3:
+            producer.flush()
+        producer.send(topic, key=b"PUBLISHED.json",
+                      value=json.dumps({"latest": v, "full": 1, "chain": list(range(2, v + 1))}).encode())
+        producer.flush()
+    producer.close()
+
+    class Noted(threading.Event):
+        """The mirrored index's latest version when the event is set."""
+        latest: int | None = None
+
+        def set(self) -> None:
+            index = tmp_path / "mirror" / "PUBLISHED.json"
+            self.latest = read_index(tmp_path / "mirror").latest if index.exists() else None
+            super().set()
+
+    real = kafka_python.KafkaConsumer
+    kafka_python.KafkaConsumer = functools.partial(real, max_poll_records=1)
+    try:
+        mirror = KafkaMirror(f"kafka://{kafka.bootstrap}/{topic}", tmp_path / "mirror")
+    finally:
+        kafka_python.KafkaConsumer = real
+    mirror.caught_up = Noted()
+    mirror.start()
+    try:
+        assert mirror.caught_up.wait(timeout=60)
+        assert mirror.caught_up.latest == 3
+    finally:
+        mirror.close()

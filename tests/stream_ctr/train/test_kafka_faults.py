@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -201,16 +202,24 @@ def test_broker_outage_the_trainer_waits_says_so_and_continues(fresh_broker, tmp
     child = trainer("none", 0, str(log), train_args(kafka.url(topic, "outage"), tmp_path / "run",
                                                     "--checkpoint-every", "2", "--limit",
                                                     str(2 * half), "--set", "kafka.dead_letter_topic="))
+    err_lines: list[str] = []               # its stderr as it comes: the outage is waited for there
+    reader = threading.Thread(target=lambda: err_lines.extend(child.stderr), daemon=True)
+    reader.start()
     try:
         wait_for(lambda: len(trained_rows(log)) >= half, 60, "the first half to be trained")
         fresh_broker.stop()                    # memory storage: topic, records, group are gone
-        time.sleep(5)
+        # Down until the trainer has said so: its probe comes after 2 s without records and
+        # fails after 2 s more, which a fixed 5 s barely covered on a loaded machine.
+        wait_for(lambda: any("unreachable" in x for x in err_lines), 60, "the trainer to notice the outage")
         fresh_broker.start()                   # same port
         recreate_and_replay(2 * half)          # the same first half again, then the second
-        out, err = child.communicate(timeout=120)
+        child.wait(timeout=120)
+        out = child.stdout.read()
     finally:
         if child.poll() is None:
             child.kill()
+        reader.join(30)
+    err = "".join(err_lines)
     assert child.returncode == 0, err[-3000:]
     assert "unreachable" in err and "reachable again" in err, err[-3000:]
     assert [o for _, o in trained_rows(log)] == list(range(2 * half))     # each record once, in order

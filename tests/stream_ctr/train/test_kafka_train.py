@@ -140,13 +140,24 @@ def test_a_run_waiting_for_records_says_so_once_and_when_they_come_back(kafka, t
     lines = gzip.open(SAMPLE_PATHS["criteo"], "rb").read().split(b"\n")[:400]
     topic = kafka.topic(partitions=1)
     kafka.produce(topic, lines[:100])                       # less than one batch
-    later = threading.Timer(6.0, kafka.produce, (topic, lines[100:400]))     # after a quiet spell
+    # The rest after a quiet spell: once the run has said it waits for records (a fixed
+    # delay raced the group join on a slow machine, and then there was no quiet spell).
+    said_waiting, note = threading.Event(), KafkaInput._note_waiting
+
+    def noting(self) -> None:
+        note(self)
+        if self._said_waiting:
+            said_waiting.set()
+
+    monkeypatch.setattr(KafkaInput, "_note_waiting", noting)
+    later = threading.Thread(target=lambda: said_waiting.wait(120) and kafka.produce(topic, lines[100:400]))
     later.start()
     cfg = kafka_config(tmp_path, kafka.url(topic, "quiet"))
     cfg.kafka.stop_when_idle_s = 10.0
     try:
         s = train(cfg, show_progress=False)
     finally:
+        said_waiting.set()                          # (a run that failed first: no wait)
         later.join()
     err = capsys.readouterr().err
     assert s.records_trained == 400                 # the idle end trains the partial batch

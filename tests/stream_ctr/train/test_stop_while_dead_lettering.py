@@ -58,11 +58,22 @@ def test_the_batch_of_unsent_dead_letters_is_not_trained(kafka, dead_letter_with
     cfg.data.source, cfg.data.batch_size, cfg.data.max_batch_delay_s = kafka.url(topic, "stop"), 256, 1e9
     url = parse_kafka_url(cfg.data.source, kafka_test_options(stop_when_idle_s=60))
     source = KafkaInput(cfg, url, trained_records=lambda: 0, checkpoints_revocations=False)
+    stop, written = StopSignal(), []
+
+    class Sink:
+        """The stop comes a second into the write of the bad record (a stop 3 s after the
+        start could come before the group had assigned the partition: nothing was read)."""
+        def write(self, rejected, stop_signal=None):
+            if rejected:
+                written.append(rejected)
+                threading.Timer(1.0, lambda: setattr(stop, "requested", True)).start()
+                dead_letter_with_its_broker_gone.write(rejected, stop_signal)
+
     try:
-        events = list(source.events(-1, stop_after(3.0), dead_letter_with_its_broker_gone, None,
-                                    look_ahead=False))
+        events = list(source.events(-1, stop, Sink(), None, look_ahead=False))
     finally:
         source.close()
+    assert [r.offset for r in written[0]] == [100]
     batches = [e.batch for e in events if isinstance(e, Ready)]
     # 300 good rows would make a batch of 256; the rows read with the bad record are
     # dropped with it, so nothing past the record that was never dead-lettered trains.
