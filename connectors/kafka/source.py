@@ -162,6 +162,8 @@ from stream_ctr.connectors.kafka.positions import (KafkaPositions, PartitionPosi
                                                    commit_metadata, filter_partitions, parse_commit_metadata)
 
 log = logging.getLogger("stream_ctr.connectors.kafka")
+# How much longer than stop_when_idle_s a stream waits for records its broker says exist.
+BEHIND_GRACE_S = 10.0
 _VALUE, _OFFSET, _TIMESTAMP = attrgetter("value"), attrgetter("offset"), attrgetter("timestamp")
 # Runs decoded at the same time (they are independent; taken in in fetch order).
 # Two keep both cores of a small machine busy while the caller fetches; more
@@ -316,6 +318,7 @@ class KafkaSource:
         self._listener_error: BaseException | None = None
         self._error_lock = threading.Lock()
         self._highwater: dict[str, int] = {}         # per partition, from the last fetch response
+        self._behind_said = False                     # the idle end's warning (once a run)
         self._offsets_unreadable_since: float | None = None   # the group's offsets fail to load since
         self._missing: set[str] = set()              # partitions the broker's metadata did not list
         self._missing_since: float | None = None
@@ -375,7 +378,31 @@ class KafkaSource:
                 and not self._unpositioned and time.monotonic() - self._idle_since >= idle):
             return False
         now = time.monotonic()      # (asked again right after the batches ended: the same answer)
+        if self._behind_highwater(now - self._idle_since - idle):
+            return False
         return now - self._all_listed_at < PROBE_EVERY_S or self._check_streams(now, fresh=True)
+
+    def _behind_highwater(self, waited_s: float) -> bool:
+        """Whether an owned partition's broker reported records past what was fetched: a
+        quiet spell is then a slow fetch (a loaded broker or client), not the stream's end.
+        Bounded: a log that ends in offsets no record comes from (transaction markers,
+        a compacted tail) keeps the watermark ahead for ever, so after `BEHIND_GRACE_S`
+        more the stream ends all the same, and says which partitions were behind."""
+        high, fetched = dict(self._highwater), self._book.fetch_next
+        behind = {n: (fetched.get(n, off), high[n]) for n, (off, _) in self._book.trained.items()
+                  if n in high and fetched.get(n, off) < high[n]}
+        if not behind:
+            return False
+        if waited_s < BEHIND_GRACE_S:
+            return True
+        if not self._behind_said:
+            self._behind_said = True
+            log.warning("kafka: ending the idle stream although the broker reported offsets past the last "
+                        "record read (%s): markers or a compacted tail with no records in them, or "
+                        "records not fetched for %.0f s; a resume reads on from the checkpoint",
+                        ", ".join(f"{n}: read to {a}, watermark {b}" for n, (a, b) in sorted(behind.items())),
+                        waited_s + self.options.stop_when_idle_s)
+        return False
 
     def snapshot(self) -> KafkaPositions:
         """Resume positions after the last row `read` returned, for owned partitions."""

@@ -41,6 +41,27 @@ def drain(source, max_records=None, train=True):
     return Batch.concat(got) if got else None
 
 
+def test_an_idle_end_waits_for_records_the_broker_said_it_has(kafka, monkeypatch, caplog):
+    """A quiet spell while an owned partition's watermark (from the fetch answers) is past
+    the last record read is a slow fetch, not the stream's end. A watermark that stays
+    ahead with no record to come (transaction markers, a compacted tail) ends the stream
+    after a grace all the same, with a warning naming the partition."""
+    import stream_ctr.connectors.kafka.source as source_module
+    topic = kafka.topic()
+    kafka.produce(topic, LINES[:100])
+    with open_source(kafka, topic, "g-behind") as source:
+        assert len(drain(source)) == 100
+        name = f"{topic}/0"
+        assert source._highwater[name] == 100       # every offset the broker has was read
+        source._highwater[name] = 105                # as a log ending in 5 offsets without records
+        monkeypatch.setattr(source_module, "BEHIND_GRACE_S", 1e9)
+        assert not source.exhausted
+        monkeypatch.setattr(source_module, "BEHIND_GRACE_S", 0.0)
+        with caplog.at_level("WARNING", logger="stream_ctr.connectors.kafka"):
+            assert source.exhausted
+    assert f"{name}: read to 100, watermark 105" in caplog.text
+
+
 def test_reads_every_record_once_with_kafka_offsets_and_commits(kafka, kafka_client):
     topic = kafka.topic(partitions=3)
     kafka.produce(topic, LINES[:900], partitions=[i % 3 for i in range(900)])
