@@ -87,12 +87,15 @@ class Follower:
             kind, scorer = self._build(index)
             apply_s = time.perf_counter() - t0
             self.predictor.swap(scorer)     # ValueError: a model of other records
-        except (BundleError, OSError, ValueError) as e:      # retried at the next poll
+        # Retried at the next poll. Any other error too: raised, it ended the follower's thread
+        # and the server answered with this version for ever, saying so only once.
+        except Exception as e:                               # noqa: BLE001
+            reason = str(e) if isinstance(e, (BundleError, OSError, ValueError)) else f"{type(e).__name__}: {e}"
             self.metrics.failures.inc()
-            if str(e) != self.last_error:                    # say it once, not every poll
-                print(f"stream-ctr serve: warning: cannot apply {self.root}: {e}; still serving "
+            if reason != self.last_error:                    # say it once, not every poll
+                print(f"stream-ctr serve: warning: cannot apply {self.root}: {reason}; still serving "
                       f"{self.predictor.model().version}", file=sys.stderr, flush=True)
-            self.last_error = str(e)
+            self.last_error = reason
             return False
         self.last_error = ""
         self.metrics.apply_seconds.observe(apply_s)
