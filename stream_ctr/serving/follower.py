@@ -14,7 +14,8 @@ The new model is built beside the one answering (a `RowTable` over the same
 memory-mapped base, plus the rows the deltas replaced), then swapped in under
 the predictor's brief lock: requests never wait for an update, and every answer
 names the version that scored it. A poll that fails keeps the model answering,
-counts a failure and tries again at the next poll.
+counts a failure, says why on stderr (once, until it changes) and tries again at
+the next poll; a PUBLISHED.json read once and gone later is such a failure.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from stream_ctr.serving.bundle import BundleError, read_bundle
 from stream_ctr.serving.metrics import FollowMetrics
 from stream_ctr.serving.predictor import Predictor
-from stream_ctr.serving.published import PublishInfo, PublishedIndex, read_index, version_dir
+from stream_ctr.serving.published import INDEX, PublishInfo, PublishedIndex, read_index, version_dir
 from stream_ctr.serving.scorer import Scorer
 from stream_ctr.serving.table import RowTable
 
@@ -56,6 +57,7 @@ class Follower:
         self.metrics = FollowMetrics(predictor.metrics.registry)
         self.applied: list[Applied] = []
         self.last_error = ""
+        self._seen_index = False            # a PUBLISHED.json read: one gone later is said
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stream-ctr-follow", daemon=True)
 
@@ -82,7 +84,15 @@ class Follower:
         t0 = time.perf_counter()
         try:
             index = read_index(self.root)
-            if index is None or index.latest == self.version:
+            if index is None and self._seen_index:
+                raise BundleError(f"{self.root / INDEX} is gone (the publish directory removed or "
+                                  f"moved?): the model answering stays until a trainer's --publish "
+                                  f"{self.root} publishes again")
+            if index is None:               # nothing published yet (serving a bundle meanwhile)
+                return False
+            self._seen_index = True
+            if index.latest == self.version:
+                self.last_error = ""        # a problem said before is over: say the next one
                 return False
             kind, scorer = self._build(index)
             apply_s = time.perf_counter() - t0

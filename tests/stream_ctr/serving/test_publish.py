@@ -239,6 +239,31 @@ def test_a_published_manifest_lacking_a_field_is_refused_and_the_follower_goes_o
         predictor.close()
 
 
+def test_a_publish_directory_removed_while_followed_is_said_and_the_model_stays(runs, tmp_path, capsys):
+    """The followed directory removed: the follower used to find no index and say nothing,
+    as if nothing had ever been published. It is a failure, said once; the model answering
+    stays; the directory back, the next version applies."""
+    _, mem, _ = runs
+    pub = tmp_path / "pub"
+    shutil.copytree(mem.serving.publish, pub)
+    predictor, follower = followed(pub)
+    try:
+        version = predictor.model().published_version
+        shutil.move(pub, tmp_path / "elsewhere")
+        assert not follower.poll() and not follower.poll()
+        assert "PUBLISHED.json is gone" in follower.last_error
+        assert follower.metrics.failures._value.get() == 2
+        assert capsys.readouterr().err.count("PUBLISHED.json is gone") == 1
+        assert predictor.model().published_version == version
+        assert predictor.predict(sample_lines()[0])[0] == 200
+        shutil.move(tmp_path / "elsewhere", pub)
+        assert not follower.poll() and follower.last_error == ""
+        new = _publish_copy_of_latest(pub)
+        assert follower.poll() and predictor.model().published_version == new
+    finally:
+        predictor.close()
+
+
 def test_one_publisher_per_directory_and_leftovers_of_a_crash_are_cleaned(runs, tmp_path):
     _, mem, _ = runs
     pub = tmp_path / "pub"
