@@ -153,10 +153,16 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     try:
         manifest = json.loads((root / "manifest.json").read_text())
     except FileNotFoundError:
+        if (root / "checkpoints").is_dir() or (root / "LATEST").is_file():
+            raise BundleError(f"{root} is a training run, not a bundle: export it first "
+                              f"(stream-ctr export {root} --out BUNDLE) and name BUNDLE") from None
         raise BundleError(f"no bundle at {root}: expected a directory with manifest.json "
                           "(written by `stream-ctr export`)") from None
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BundleError(f"{root}/manifest.json is unreadable (corrupt?): {e}") from None
+    if isinstance(manifest, dict) and isinstance(manifest.get("checkpoint"), str):   # train/checkpoint.py's
+        raise BundleError(f"{root} is a training checkpoint, not a bundle: export it first "
+                          f"(stream-ctr export {root} --out BUNDLE) and name BUNDLE")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BundleError(f"{root}/manifest.json is not a {FORMAT} manifest")
     if manifest.get("format_version") != FORMAT_VERSION:

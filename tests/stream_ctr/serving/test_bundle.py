@@ -124,6 +124,17 @@ def test_a_manifest_that_parses_but_lacks_a_field_is_one_clear_error(bundle_dir,
     assert len(err) == 1 and err[0].startswith("stream-ctr: error:") and needle in err[0], err
 
 
+def test_a_run_or_a_checkpoint_named_as_a_bundle_says_to_export_it(bundle_dir, tmp_path, capsys):
+    """They were "no bundle at RUN" / "not a stream-ctr-bundle manifest": true, but not what to do."""
+    run = bundle_dir.parent / "run"
+    ckpt = next((run / "checkpoints").glob("ckpt-*"))
+    for path, what in ((run, "a training run"), (ckpt, "a training checkpoint")):
+        code = main(["predict", str(path), "criteo:sample", "--stop", "10", "--out", str(tmp_path / "p.txt")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == EXIT_STATE and len(err) == 1, err
+        assert f"{path} is {what}, not a bundle: export it first (stream-ctr export {path} --out BUNDLE)" in err[0]
+
+
 def test_export_refuses_a_non_empty_out_dir_and_leaves_no_partial_bundle(bundle_dir, tmp_path):
     with pytest.raises(FileExistsError):
         BundleWriter(bundle_dir, 11)
