@@ -47,6 +47,7 @@ from stream_ctr.serving.scorer import Scorer
 
 JSON = "application/json"
 ROUTES = "GET /healthz, GET /metrics, POST /predict"
+_METHOD_OF = {"/healthz": "GET", "/metrics": "GET", "/predict": "POST"}     # ROUTES, by path
 
 
 # Bodies the predictor decodes (predictor.parse_body): a JSON array under any JSON type, or
@@ -201,11 +202,11 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/metrics":
             self._send(200, generate_latest(self.predictor.metrics.registry), CONTENT_TYPE_LATEST)
         else:
-            self._send(404, _error_body(f"not found: GET {_quoted(self.path)}; {ROUTES}"))
+            self._not_routed()
 
     def do_POST(self) -> None:                  # noqa: N802
         if self.path != "/predict":
-            self._error(404, f"not found: POST {_quoted(self.path)}; {ROUTES}")
+            self._not_routed()
             return
         n = self._content_length()
         if n is None:
@@ -223,6 +224,17 @@ class _Handler(BaseHTTPRequestHandler):
             return
         status, out = self.predictor.predict(body, content_type)
         self._send(status, out)
+
+    def _not_routed(self) -> None:
+        """404 for a path the server lacks; 405 naming the method of one it has (`GET /predict`
+        was "not found", of the path every client uses). A POST's body is left unread: closed."""
+        method = _METHOD_OF.get(self.path)
+        if method is None:
+            message, status, allow = f"not found: {self.command} {_quoted(self.path)}; {ROUTES}", 404, ()
+        else:
+            message, status, allow = (f"{self.command} {self.path} is not served: {method} it "
+                                      f"({ROUTES})"), 405, (("Allow", method),)
+        self._send(status, _error_body(message), close=self.command == "POST", headers=allow)
 
     def _content_length(self) -> int | None:
         """The POST body's declared size, or None once the request is refused for it."""

@@ -235,12 +235,16 @@ def test_bad_json_is_a_400(served):
     (b"BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n", 405),
     (b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n", 404),
     (b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc", 404),
+    (b"GET /predict HTTP/1.1\r\nHost: x\r\n\r\n", 405),                     # was a 404
+    (b"POST /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc", 405),
 ], ids=["one-word", "version", "words", "long-header", "headers", "long-line", "delete", "brew",
-        "get-path", "post-path"])
+        "get-path", "post-path", "get-predict", "post-healthz"])
 def test_a_malformed_request_is_a_4xx_with_a_json_error(served, raw, want):
     status, headers, body = exchange(served.port, raw)
     assert status == want and headers["content-type"] == "application/json"
     assert error_of(body)
+    if raw.startswith(b"GET /predict"):
+        assert headers["allow"] == "POST" and "GET /predict is not served: POST it" in error_of(body)
     still_serves(served)
 
 
