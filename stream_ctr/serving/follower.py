@@ -92,7 +92,7 @@ class Follower:
                 return False
             self._seen_index = True
             if index.latest == self.version:
-                self.last_error = ""        # a problem said before is over: say the next one
+                self.last_error = self.predictor.follow_error = ""   # a problem said before is over
                 return False
             kind, scorer = self._build(index)
             apply_s = time.perf_counter() - t0
@@ -105,9 +105,9 @@ class Follower:
             if reason != self.last_error:                    # say it once, not every poll
                 print(f"stream-ctr serve: warning: cannot apply {self.root}: {reason}; still serving "
                       f"{self.predictor.model().version}", file=sys.stderr, flush=True)
-            self.last_error = reason
+            self.last_error = self.predictor.follow_error = reason      # and on /healthz
             return False
-        self.last_error = ""
+        self.last_error = self.predictor.follow_error = ""
         self.metrics.apply_seconds.observe(apply_s)
         self.metrics.updates.labels(kind).inc()
         fresh = (scorer.live_since_s - scorer.newest_arrival_s

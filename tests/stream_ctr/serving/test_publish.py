@@ -227,6 +227,8 @@ def test_a_published_manifest_lacking_a_field_is_refused_and_the_follower_goes_o
         assert not follower.poll() and not follower.poll()
         assert needle in follower.last_error and follower.metrics.failures._value.get() == 2
         assert predictor.model().published_version == bad - 1
+        health = json.loads(predictor.health())         # says why it does not advance
+        assert health["status"] == "ok" and needle in health["follow_error"]
         assert predictor.predict(sample_lines()[0])[0] == 200
         shutil.rmtree(version_dir(pub, bad))            # the trainer's next full snapshot, say
         index = read_index(pub)
@@ -235,6 +237,7 @@ def test_a_published_manifest_lacking_a_field_is_refused_and_the_follower_goes_o
         write_index(pub, index)
         good = _publish_copy_of_latest(pub)
         assert follower.poll() and predictor.model().published_version == good
+        assert "follow_error" not in json.loads(predictor.health())
     finally:
         predictor.close()
 
