@@ -287,7 +287,7 @@ class _HTTPServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
         self._slots = threading.BoundedSemaphore(max_connections)
         self.closing = False                    # set by Server.close: answers say Connection: close
-        self._in_flight = 0                     # requests parsed and not yet answered
+        self._in_flight = 0                     # requests read from their request line on, not yet answered
         self._idle = threading.Condition()
         super().__init__(address, handler)
 
