@@ -194,7 +194,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if mirror is not None:
             mirror.close()
             shutil.rmtree(mirror.root, ignore_errors=True)
-        server.close()
+        left = server.close()           # the requests already received are answered first
+        if left:
+            print(f"stream-ctr serve: stopped with {left} request(s) unanswered after "
+                  f"--request-timeout-s {limits.request_timeout_s:g}", file=sys.stderr, flush=True)
     server.start()
     signal.signal(signal.SIGTERM, lambda *_: close())
     # One line a supervisor (or a test) can wait for: where it listens, which model answers.

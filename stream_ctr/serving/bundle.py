@@ -153,16 +153,57 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     try:
         manifest = json.loads((root / "manifest.json").read_text())
     except FileNotFoundError:
+        if (root / "checkpoints").is_dir() or (root / "LATEST").is_file():
+            raise BundleError(f"{root} is a training run, not a bundle: export it first "
+                              f"(stream-ctr export {root} --out BUNDLE) and name BUNDLE") from None
         raise BundleError(f"no bundle at {root}: expected a directory with manifest.json "
                           "(written by `stream-ctr export`)") from None
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BundleError(f"{root}/manifest.json is unreadable (corrupt?): {e}") from None
+    if isinstance(manifest, dict) and isinstance(manifest.get("checkpoint"), str):   # train/checkpoint.py's
+        raise BundleError(f"{root} is a training checkpoint, not a bundle: export it first "
+                          f"(stream-ctr export {root} --out BUNDLE) and name BUNDLE")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BundleError(f"{root}/manifest.json is not a {FORMAT} manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise BundleError(f"{root}: bundle format version {manifest.get('format_version')!r}, this "
                           f"stream-ctr reads version {FORMAT_VERSION}: re-export it with this version")
+    _check_fields(root, manifest)
     return manifest
+
+
+# What the readers take from a manifest without looking (read_bundle, Scorer, Bundle.version,
+# the server's status), and its JSON type: a manifest that parses but lacks one, or holds
+# another type there (edited by hand, written by another tool), is refused here by name. Met
+# later it was a KeyError or TypeError: a traceback, or a follower thread that died.
+_REQUIRED: dict[tuple[str, ...], tuple[type, ...]] = {
+    ("checkpoint", "name"): (str,), ("checkpoint", "step"): (int,), ("files",): (dict,),
+    ("init", "seed"): (int,), ("init", "init_std"): (int, float), ("model", "name"): (str,),
+    ("model", "embed_dim"): (int,),
+    ("record_format", "name"): (str,), ("rows", "count"): (int,), ("rows", "cols"): (int,),
+    ("n_fields",): (int,), ("n_dense",): (int,), ("precision",): (str,),
+    **{("files", name, "bytes"): (int,) for name in FILES},
+    **{("files", name, "sha256"): (str,) for name in FILES}}
+
+
+def _check_fields(root: Path, manifest: dict[str, Any]) -> None:
+    """BundleError naming the first field of `_REQUIRED` that is missing or of another type."""
+    for path, types in _REQUIRED.items():
+        value: Any = manifest
+        for i, key in enumerate(path):
+            if not isinstance(value, dict) or key not in value:
+                where = ".".join(path[:i + 1])
+                if path[0] == "files" and i == 1:
+                    raise BundleError(f"{root}: file {key} missing from the manifest: re-export the "
+                                      "bundle (stream-ctr export)")
+                raise BundleError(f"{root}/manifest.json has no {where}: not a complete bundle manifest "
+                                  "(edited, or written by another tool?): re-export the bundle "
+                                  "(stream-ctr export)")
+            value = value[key]
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise BundleError(f"{root}/manifest.json: {'.'.join(path)} is {value!r}, not "
+                              f"{' or '.join(t.__name__ for t in types)}: re-export the bundle "
+                              "(stream-ctr export)")
 
 
 def _load_npy(path: Path, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
@@ -192,6 +233,10 @@ def read_bundle(path: str | Path, verify: bool = True) -> Bundle:
         dense = torch.load(root / "dense.pt", map_location="cpu", weights_only=True)
     except Exception as e:         # noqa: BLE001 - any unpickling failure is a bad file
         raise BundleError(f"{root}/dense.pt does not load as plain tensors: {e}") from None
+    if not (isinstance(dense, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                            for k, v in dense.items())):
+        raise BundleError(f"{root}/dense.pt holds a {type(dense).__name__}, not a state_dict of named "
+                          "tensors: re-export the bundle (stream-ctr export)")
     n, cols = int(manifest["rows"]["count"]), int(manifest["rows"]["cols"])
     keys = _load_npy(root / "keys.npy", np.dtype(np.int64), (n,))
     rows = _load_npy(root / "rows.npy", np.dtype(np.float32), (n, cols))

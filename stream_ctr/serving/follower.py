@@ -14,7 +14,8 @@ The new model is built beside the one answering (a `RowTable` over the same
 memory-mapped base, plus the rows the deltas replaced), then swapped in under
 the predictor's brief lock: requests never wait for an update, and every answer
 names the version that scored it. A poll that fails keeps the model answering,
-counts a failure and tries again at the next poll.
+counts a failure, says why on stderr (once, until it changes) and tries again at
+the next poll; a PUBLISHED.json read once and gone later is such a failure.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from stream_ctr.serving.bundle import BundleError, read_bundle
 from stream_ctr.serving.metrics import FollowMetrics
 from stream_ctr.serving.predictor import Predictor
-from stream_ctr.serving.published import PublishInfo, PublishedIndex, read_index, version_dir
+from stream_ctr.serving.published import INDEX, PublishInfo, PublishedIndex, read_index, version_dir
 from stream_ctr.serving.scorer import Scorer
 from stream_ctr.serving.table import RowTable
 
@@ -56,6 +57,7 @@ class Follower:
         self.metrics = FollowMetrics(predictor.metrics.registry)
         self.applied: list[Applied] = []
         self.last_error = ""
+        self._seen_index = False            # a PUBLISHED.json read: one gone later is said
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stream-ctr-follow", daemon=True)
 
@@ -82,19 +84,30 @@ class Follower:
         t0 = time.perf_counter()
         try:
             index = read_index(self.root)
-            if index is None or index.latest == self.version:
+            if index is None and self._seen_index:
+                raise BundleError(f"{self.root / INDEX} is gone (the publish directory removed or "
+                                  f"moved?): the model answering stays until a trainer's --publish "
+                                  f"{self.root} publishes again")
+            if index is None:               # nothing published yet (serving a bundle meanwhile)
+                return False
+            self._seen_index = True
+            if index.latest == self.version:
+                self.last_error = self.predictor.follow_error = ""   # a problem said before is over
                 return False
             kind, scorer = self._build(index)
             apply_s = time.perf_counter() - t0
             self.predictor.swap(scorer)     # ValueError: a model of other records
-        except (BundleError, OSError, ValueError) as e:      # retried at the next poll
+        # Retried at the next poll. Any other error too: raised, it ended the follower's thread
+        # and the server answered with this version for ever, saying so only once.
+        except Exception as e:                               # noqa: BLE001
+            reason = str(e) if isinstance(e, (BundleError, OSError, ValueError)) else f"{type(e).__name__}: {e}"
             self.metrics.failures.inc()
-            if str(e) != self.last_error:                    # say it once, not every poll
-                print(f"stream-ctr serve: warning: cannot apply {self.root}: {e}; still serving "
+            if reason != self.last_error:                    # say it once, not every poll
+                print(f"stream-ctr serve: warning: cannot apply {self.root}: {reason}; still serving "
                       f"{self.predictor.model().version}", file=sys.stderr, flush=True)
-            self.last_error = str(e)
+            self.last_error = self.predictor.follow_error = reason      # and on /healthz
             return False
-        self.last_error = ""
+        self.last_error = self.predictor.follow_error = ""
         self.metrics.apply_seconds.observe(apply_s)
         self.metrics.updates.labels(kind).inc()
         fresh = (scorer.live_since_s - scorer.newest_arrival_s

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -108,7 +109,7 @@ class KafkaMirror:
     def __init__(self, spec: str, root: str | Path) -> None:
         from kafka import KafkaConsumer, TopicPartition
         from stream_ctr.connectors.kafka.options import client_config
-        self.url = _url(spec)
+        self.spec, self.url = spec, _url(spec)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._consumer = KafkaConsumer(**client_config(self.url), group_id=None, enable_auto_commit=False,
@@ -124,6 +125,7 @@ class KafkaMirror:
         self._start_end: int | None = None
         self.caught_up = threading.Event()
         self._parts: dict[str, set[int]] = {}       # file -> the parts of it on disk
+        self.last_error = ""                        # why the last message skipped was
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stream-ctr-kafka-mirror", daemon=True)
 
@@ -140,12 +142,30 @@ class KafkaMirror:
         while not self._stop.is_set():
             for records in self._consumer.poll(timeout_ms=200).values():
                 for r in records:
-                    self.take(r.key or b"", r.value or b"", dict(r.headers or []))
+                    # A message it cannot take (a disk full or read-only, a message no
+                    # trainer wrote) is skipped and said: raised, it ended this thread, and
+                    # the server answered with its version for ever (or, before its first
+                    # version, waited --follow-wait-s to say nothing was published).
+                    try:
+                        self.take(r.key or b"", r.value or b"", dict(r.headers or []))
+                    except Exception as e:          # noqa: BLE001
+                        self._skipped(r.offset, r.key, e)
             if not self.caught_up.is_set():
                 if self._start_end is None:     # the high watermark a fetch answered; None before
                     self._start_end = self._consumer.highwater(self._tp)
                 if self._start_end is not None and self._consumer.position(self._tp) >= self._start_end:
                     self.caught_up.set()
+
+    def _skipped(self, offset: int, key: bytes | None, error: Exception) -> None:
+        """Say (once, until the reason changes) that the message at `offset` was skipped."""
+        reason = f"{type(error).__name__}: {error}"
+        if reason != self.last_error:
+            name = (key or b"").decode(errors="replace")
+            print(f"stream-ctr serve: warning: skipped message {offset} ({name!r}) of "
+                  f"{self.spec}: {reason}; the server keeps its "
+                  "model until an index names only versions the mirror has whole (at the latest "
+                  "the trainer's next full snapshot: serving.full_every)", file=sys.stderr, flush=True)
+        self.last_error = reason
 
     def take(self, key: bytes, value: bytes, headers: dict[str, bytes]) -> None:
         """One message of the topic (see the module docstring)."""

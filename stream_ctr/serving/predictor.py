@@ -273,6 +273,7 @@ class Predictor:
         self.layout = bundle_layout(scorer.bundle)
         self.metrics = metrics or ServingMetrics(CollectorRegistry(), self.model)
         self.batcher = Batcher(self.current, self.metrics, **batching)
+        self.follow_error = ""          # set by a Follower: why its last poll did not apply
 
     def current(self) -> tuple[Scorer, str]:
         with self._lock:
@@ -329,10 +330,14 @@ class Predictor:
         return status, out
 
     def health(self) -> bytes:
+        """GET /healthz: the model answering; with `follow_error` while a follower's last poll
+        failed (why the model does not advance: it still answers, so the status stays ok)."""
         m = self.model()
         out = {"status": "ok", "model_version": m.version, "step": m.step}
         if m.published_version is not None:
             out["published_version"] = m.published_version
+        if self.follow_error:
+            out["follow_error"] = self.follow_error
         return orjson.dumps(out)
 
     def close(self) -> None:

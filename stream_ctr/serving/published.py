@@ -67,6 +67,9 @@ class PublishInfo:
             info = PublishInfo(**raw)
         except TypeError as e:
             raise BundleError(f"{where}: manifest's publish section is not understood: {e}") from None
+        if not all(isinstance(v, int) and not isinstance(v, bool)
+                   for v in (info.version, *([info.base_version] if info.base_version is not None else []))):
+            raise BundleError(f"{where}: publish section {raw}: version and base_version must be integers")
         if info.kind not in KINDS or (info.kind == "delta") != (info.base_version is not None):
             raise BundleError(f"{where}: publish section {raw} is inconsistent (kind, base_version)")
         return info

@@ -45,7 +45,11 @@ class Scorer:
         self.precision = precision or m["precision"]
         if self.precision not in PRECISIONS:
             raise BundleError(f"{bundle.path}: precision {self.precision!r} is not one of {PRECISIONS}")
-        self.model_cfg = ModelConfig(**model_config_fields(m))
+        try:                                # the manifest's model section, as the trainer wrote it
+            self.model_cfg = ModelConfig(**model_config_fields(m))
+        except TypeError as e:              # a key ModelConfig does not know
+            raise BundleError(f"{bundle.path}/manifest.json: model section not understood ({e}): "
+                              "re-export the bundle with this stream-ctr") from None
         self.n_fields, self.n_dense = int(m["n_fields"]), int(m["n_dense"])
         self.dim = self.model_cfg.embed_dim
         self.seed, self.init_std = int(m["init"]["seed"]), float(m["init"]["init_std"])
@@ -59,7 +63,11 @@ class Scorer:
         except SchemaError as e:
             raise BundleError(f"{bundle.path}: the manifest's schema: {e}") from None
         n_inputs = self.field_rows.n_inputs if self.field_rows is not None else self.n_fields
-        self.model = build_model(self.model_cfg, n_inputs, self.n_dense)
+        try:
+            self.model = build_model(self.model_cfg, n_inputs, self.n_dense)
+        except (TypeError, ValueError, RuntimeError) as e:     # a model section of other values (mlp_dims: "x", [-1])
+            raise BundleError(f"{bundle.path}/manifest.json: its model section does not build a model "
+                              f"({e}): re-export the bundle with this stream-ctr") from None
         try:
             self.model.load_state_dict(bundle.dense)
         except RuntimeError as e:

@@ -23,6 +23,8 @@ system's. Every malformed request is answered 4xx with a one-line JSON error, an
 a client breaking its connection leaves nothing on stderr.
 
 `Server.swap(scorer)` replaces the model while requests run (Predictor.swap).
+`Server.close()` (on SIGTERM) refuses new connections and answers the requests already
+received, for at most `request_timeout_s`, before it stops scoring.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from stream_ctr.serving.scorer import Scorer
 
 JSON = "application/json"
 ROUTES = "GET /healthz, GET /metrics, POST /predict"
+_METHOD_OF = {"/healthz": "GET", "/metrics": "GET", "/predict": "POST"}     # ROUTES, by path
 
 
 # Bodies the predictor decodes (predictor.parse_body): a JSON array under any JSON type, or
@@ -131,6 +134,7 @@ class _Handler(BaseHTTPRequestHandler):
               headers: tuple[tuple[str, str], ...] = ()) -> None:
         # The client takes its answer within the request timeout, or is dropped.
         self.connection.settimeout(self.limits.request_timeout_s)
+        close = close or self.server.closing    # a server stopping serves no next request
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -158,6 +162,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._error(code, f"{text}: {explain}" if explain else text)
 
     def parse_request(self) -> bool:
+        # From its request line on, a request is answered before a closing server exits
+        # (counted before a "100 Continue" tells the client its headers were read).
+        self.server.begin_request()
+        self._in_flight = True
         if not super().parse_request():
             return False
         if self.command not in ("GET", "POST"):
@@ -166,6 +174,14 @@ class _Handler(BaseHTTPRequestHandler):
         return True
 
     def handle_one_request(self) -> None:
+        self._in_flight = False
+        try:
+            self._handle_one_request()
+        finally:
+            if self._in_flight:
+                self.server.end_request()
+
+    def _handle_one_request(self) -> None:
         self._reader.next_request()
         # Not the previous request's, if this one never parses; send_response reads the last two.
         self.command = self.path = None
@@ -186,11 +202,11 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/metrics":
             self._send(200, generate_latest(self.predictor.metrics.registry), CONTENT_TYPE_LATEST)
         else:
-            self._send(404, _error_body(f"not found: GET {_quoted(self.path)}; {ROUTES}"))
+            self._not_routed()
 
     def do_POST(self) -> None:                  # noqa: N802
         if self.path != "/predict":
-            self._error(404, f"not found: POST {_quoted(self.path)}; {ROUTES}")
+            self._not_routed()
             return
         n = self._content_length()
         if n is None:
@@ -208,6 +224,17 @@ class _Handler(BaseHTTPRequestHandler):
             return
         status, out = self.predictor.predict(body, content_type)
         self._send(status, out)
+
+    def _not_routed(self) -> None:
+        """404 for a path the server lacks; 405 naming the method of one it has (`GET /predict`
+        was "not found", of the path every client uses). A POST's body is left unread: closed."""
+        method = _METHOD_OF.get(self.path)
+        if method is None:
+            message, status, allow = f"not found: {self.command} {_quoted(self.path)}; {ROUTES}", 404, ()
+        else:
+            message, status, allow = (f"{self.command} {self.path} is not served: {method} it "
+                                      f"({ROUTES})"), 405, (("Allow", method),)
+        self._send(status, _error_body(message), close=self.command == "POST", headers=allow)
 
     def _content_length(self) -> int | None:
         """The POST body's declared size, or None once the request is refused for it."""
@@ -259,7 +286,25 @@ class _HTTPServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
         self._slots = threading.BoundedSemaphore(max_connections)
+        self.closing = False                    # set by Server.close: answers say Connection: close
+        self._in_flight = 0                     # requests read from their request line on, not yet answered
+        self._idle = threading.Condition()
         super().__init__(address, handler)
+
+    def begin_request(self) -> None:
+        with self._idle:
+            self._in_flight += 1
+
+    def end_request(self) -> None:
+        with self._idle:
+            self._in_flight -= 1
+            self._idle.notify_all()
+
+    def drain(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for the requests in flight to be answered; how many were not."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_flight == 0, timeout_s)
+            return self._in_flight
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -331,16 +376,28 @@ class Server:
         return self.predictor.swap(scorer)
 
     def wait(self) -> None:
-        self._thread.join()
+        """Until the server stops (close). Joined in slices: the kernel may hand a SIGTERM to
+        any thread, and its Python handler runs only once the main thread runs bytecode
+        again, which a join without a timeout never let it do: the signal was ignored."""
+        while self._thread.is_alive():
+            self._thread.join(0.25)
 
-    def close(self) -> None:
+    def close(self, drain_s: float | None = None) -> int:
+        """Stop accepting connections, answer the requests already received (waiting at most
+        `drain_s`, default the request timeout), then stop scoring; the number of requests
+        left unanswered. (Closing at once dropped a request being scored: a SIGTERM that a
+        supervisor sends to restart the server lost its clients' answers.)"""
+        left = 0
         if self.http == "stdlib":
+            self._httpd.closing = True
             self._httpd.shutdown()
-            self._httpd.server_close()
+            self._httpd.server_close()          # a new connection is refused from here on
+            left = self._httpd.drain(self.limits.request_timeout_s if drain_s is None else drain_s)
         else:
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(10)
         self.predictor.close()
+        return left
 
     # ------------------------------------------------------------ aiohttp (comparison only)
     def _run_aiohttp(self) -> None:

@@ -93,6 +93,48 @@ def test_a_corrupt_or_wrong_version_bundle_is_one_clear_error(bundle_dir, tmp_pa
     assert not (tmp_path / "p.txt").exists()
 
 
+@pytest.mark.parametrize("edit, needle", [
+    (lambda m: m.pop("rows"), "manifest.json has no rows"),
+    (lambda m: m.pop("init"), "manifest.json has no init"),
+    (lambda m: m["checkpoint"].pop("name"), "manifest.json has no checkpoint.name"),
+    (lambda m: m["rows"].update(count="x"), "rows.count is 'x', not int"),
+    (lambda m: m.update(files=[]), "files is [], not dict"),
+    (lambda m: m["files"].pop("dense.pt"), "file dense.pt missing from the manifest"),
+    (lambda m: m["model"].update(embed_dim="x"), "model.embed_dim is 'x', not int"),
+    (lambda m: m["model"].update(bogus=1), "model section not understood"),
+    (lambda m: m["model"].update(mlp_dims=[-1]), "does not build a model"),
+    (None, "dense.pt holds a list, not a state_dict"),
+])
+def test_a_manifest_that_parses_but_lacks_a_field_is_one_clear_error(bundle_dir, tmp_path, capsys, edit, needle):
+    """Each was a KeyError, TypeError or RuntimeError traceback (and killed a follower's thread)."""
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(bundle_dir, bad)
+    if edit is None:
+        with open(bad / "dense.pt", "wb") as f:         # loads weights_only, but is no state_dict
+            torch.save([torch.zeros(2)], f)
+        _reseal(bad)
+    else:
+        m = json.loads((bad / "manifest.json").read_text())
+        edit(m)
+        (bad / "manifest.json").write_text(json.dumps(m))
+    code = main(["predict", str(bad), "criteo:sample", "--stop", "100", "--out", str(tmp_path / "p.txt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_STATE
+    assert len(err) == 1 and err[0].startswith("stream-ctr: error:") and needle in err[0], err
+
+
+def test_a_run_or_a_checkpoint_named_as_a_bundle_says_to_export_it(bundle_dir, tmp_path, capsys):
+    """They were "no bundle at RUN" / "not a stream-ctr-bundle manifest": true, but not what to do."""
+    run = bundle_dir.parent / "run"
+    ckpt = next((run / "checkpoints").glob("ckpt-*"))
+    for path, what in ((run, "a training run"), (ckpt, "a training checkpoint")):
+        code = main(["predict", str(path), "criteo:sample", "--stop", "10", "--out", str(tmp_path / "p.txt")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == EXIT_STATE and len(err) == 1, err
+        assert f"{path} is {what}, not a bundle: export it first (stream-ctr export {path} --out BUNDLE)" in err[0]
+
+
 def test_export_refuses_a_non_empty_out_dir_and_leaves_no_partial_bundle(bundle_dir, tmp_path):
     with pytest.raises(FileExistsError):
         BundleWriter(bundle_dir, 11)

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
@@ -274,3 +273,33 @@ def test_a_mirror_is_caught_up_only_once_it_holds_the_newest_index(kafka, tmp_pa
         assert mirror.caught_up.latest == 3
     finally:
         mirror.close()
+
+
+def test_a_message_the_mirror_cannot_take_is_skipped_and_said(kafka, tmp_path, capsys):
+    """A topic whose first message is an index that is not JSON (another producer's, a message
+    cut short): the mirror's thread used to die on it, so a server never had a version. It is
+    skipped and said once; the trainer's versions after it are mirrored."""
+    from kafka import KafkaProducer
+    from stream_ctr.serving.kafka_publish import KafkaMirror
+    from stream_ctr.train.loop import train
+    from tests.stream_ctr.store.helpers import BATCH, small_config
+    topic = kafka.topic(1, prefix="published")
+    url = f"kafka://{kafka.bootstrap}/{topic}"
+    producer = KafkaProducer(bootstrap_servers=kafka.bootstrap, acks="all")
+    producer.send(topic, key=b"PUBLISHED.json", value=b'{"latest": 1', partition=0)
+    producer.flush()
+    producer.close()
+    cfg = small_config(tmp_path / "run", tiered=False)
+    cfg.data.limit_records = 20 * BATCH
+    cfg.serving.publish = url
+    train(cfg, show_progress=False)
+    mirror = KafkaMirror(url, tmp_path / "mirror").start()
+    try:
+        assert mirror.caught_up.wait(timeout=60)
+        assert mirror._thread.is_alive()
+        assert read_index(tmp_path / "mirror").latest == read_index(tmp_path / "run" / "published").latest
+    finally:
+        mirror.close()
+    assert "JSONDecodeError" in mirror.last_error
+    err = capsys.readouterr().err
+    assert err.count("skipped message 0 ('PUBLISHED.json')") == 1, err

@@ -20,7 +20,7 @@ from stream_ctr.connectors.formats import CRITEO
 from stream_ctr.serving.bundle import read_bundle
 from stream_ctr.serving.follower import Follower, initial_bundle
 from stream_ctr.serving.predictor import Predictor
-from stream_ctr.serving.published import PublishInfo, read_index, version_dir, version_dirs
+from stream_ctr.serving.published import PublishInfo, read_index, version_dir, version_dirs, write_index
 from stream_ctr.serving.publisher import Publisher
 from stream_ctr.serving.scorer import Scorer
 from stream_ctr.serving.server import Server
@@ -188,6 +188,81 @@ def test_a_server_off_the_chain_loads_the_full_snapshot_and_refuses_a_delta_on_a
         assert follower.metrics.failures._value.get() == 1
         manifest_path.write_text(good)
         assert follower.poll() and predictor.model().published_version == 6
+    finally:
+        predictor.close()
+
+
+def _publish_copy_of_latest(pub, edit=None) -> int:
+    """Publish into `pub` a delta on its latest version, a copy of that one's files, its
+    manifest passed through `edit`, as a trainer would (renamed into place, then the index)."""
+    index = read_index(pub)
+    new = index.latest + 1
+    shutil.copytree(version_dir(pub, index.latest), pub / f".tmp-{new}")
+    manifest = json.loads((pub / f".tmp-{new}" / "manifest.json").read_text())
+    manifest["publish"].update(version=new, base_version=index.latest, kind="delta")
+    if edit is not None:
+        edit(manifest)
+    (pub / f".tmp-{new}" / "manifest.json").write_text(json.dumps(manifest))
+    (pub / f".tmp-{new}").rename(version_dir(pub, new))
+    index.latest, index.chain = new, [*index.chain, new]
+    write_index(pub, index)
+    return new
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda m: m.pop("rows"), "manifest.json has no rows"),
+    (lambda m: m["checkpoint"].pop("step"), "has no checkpoint.step"),
+    (lambda m: m["publish"].update(version="7"), "version and base_version must be integers"),
+])
+def test_a_published_manifest_lacking_a_field_is_refused_and_the_follower_goes_on(runs, tmp_path, edit, needle):
+    """A version whose manifest parses but lacks a field raised a KeyError (or, for a version
+    that is no integer, a ValueError after the swap) out of `poll`: the follower's thread
+    died and the server answered with the old version for ever. It is a failed poll now."""
+    _, mem, _ = runs
+    pub = tmp_path / "pub"
+    shutil.copytree(mem.serving.publish, pub)
+    predictor, follower = followed(pub)
+    try:
+        bad = _publish_copy_of_latest(pub, edit)
+        assert not follower.poll() and not follower.poll()
+        assert needle in follower.last_error and follower.metrics.failures._value.get() == 2
+        assert predictor.model().published_version == bad - 1
+        health = json.loads(predictor.health())         # says why it does not advance
+        assert health["status"] == "ok" and needle in health["follow_error"]
+        assert predictor.predict(sample_lines()[0])[0] == 200
+        shutil.rmtree(version_dir(pub, bad))            # the trainer's next full snapshot, say
+        index = read_index(pub)
+        index.chain.remove(bad)
+        index.latest = index.chain[-1] if index.chain else index.full
+        write_index(pub, index)
+        good = _publish_copy_of_latest(pub)
+        assert follower.poll() and predictor.model().published_version == good
+        assert "follow_error" not in json.loads(predictor.health())
+    finally:
+        predictor.close()
+
+
+def test_a_publish_directory_removed_while_followed_is_said_and_the_model_stays(runs, tmp_path, capsys):
+    """The followed directory removed: the follower used to find no index and say nothing,
+    as if nothing had ever been published. It is a failure, said once; the model answering
+    stays; the directory back, the next version applies."""
+    _, mem, _ = runs
+    pub = tmp_path / "pub"
+    shutil.copytree(mem.serving.publish, pub)
+    predictor, follower = followed(pub)
+    try:
+        version = predictor.model().published_version
+        shutil.move(pub, tmp_path / "elsewhere")
+        assert not follower.poll() and not follower.poll()
+        assert "PUBLISHED.json is gone" in follower.last_error
+        assert follower.metrics.failures._value.get() == 2
+        assert capsys.readouterr().err.count("PUBLISHED.json is gone") == 1
+        assert predictor.model().published_version == version
+        assert predictor.predict(sample_lines()[0])[0] == 200
+        shutil.move(tmp_path / "elsewhere", pub)
+        assert not follower.poll() and follower.last_error == ""
+        new = _publish_copy_of_latest(pub)
+        assert follower.poll() and predictor.model().published_version == new
     finally:
         predictor.close()
 

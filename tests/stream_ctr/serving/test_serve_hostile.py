@@ -6,14 +6,15 @@ request; a body shorter than declared, an idle connection and a request trickled
 byte at a time are closed by the (here short) timeouts; 30 simultaneous connections
 are all answered, from a listen backlog the system's size; a type the server cannot
 decode is a 415; past --max-connections a new connection is answered 503; every
-malformed request is a 4xx with a JSON error; and nothing of it puts a traceback on
-the server's stderr.
+malformed request is a 4xx with a JSON error; a SIGTERM answers the request in flight
+before the server exits; and nothing of it puts a traceback on the server's stderr.
 """
 from __future__ import annotations
 
 import gzip
 import json
 import select
+import signal
 import shutil
 import socket
 import struct
@@ -234,12 +235,16 @@ def test_bad_json_is_a_400(served):
     (b"BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n", 405),
     (b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n", 404),
     (b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc", 404),
+    (b"GET /predict HTTP/1.1\r\nHost: x\r\n\r\n", 405),                     # was a 404
+    (b"POST /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc", 405),
 ], ids=["one-word", "version", "words", "long-header", "headers", "long-line", "delete", "brew",
-        "get-path", "post-path"])
+        "get-path", "post-path", "get-predict", "post-healthz"])
 def test_a_malformed_request_is_a_4xx_with_a_json_error(served, raw, want):
     status, headers, body = exchange(served.port, raw)
     assert status == want and headers["content-type"] == "application/json"
     assert error_of(body)
+    if raw.startswith(b"GET /predict"):
+        assert headers["allow"] == "POST" and "GET /predict is not served: POST it" in error_of(body)
     still_serves(served)
 
 
@@ -349,3 +354,39 @@ def test_bad_limits_are_refused_by_name(bundle, capsys):
     assert "--max-body-bytes" in capsys.readouterr().err
     assert main(["serve", str(bundle), "--port", "0", "--request-timeout-s", "0"]) != 0
     assert "--request-timeout-s" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ stopping
+def test_sigterm_answers_the_request_in_flight_then_exits(bundle, tmp_path):
+    """SIGTERM while a request's body is still arriving: no new connection is accepted, the
+    request is answered (200, Connection: close) and the server exits 0. It used to exit at
+    once, the client's connection closed without an answer."""
+    s = start_serve(bundle, tmp_path, "--request-timeout-s", str(WAIT_S))
+    try:
+        body = a_record() + b"\n" + a_record()
+        with connect(s.port) as sock:
+            head, _ = post(body).split(b"\r\n\r\n", 1)
+            sock.sendall(head + b"\r\nExpect: 100-continue\r\n\r\n" + body[:-10])
+            got = b""
+            while b"\r\n\r\n" not in got:              # its headers are read: it is in flight
+                chunk = sock.recv(1024)
+                assert chunk, got
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 100"), got
+            s.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + WAIT_S
+            while True:                                 # until the listening socket is closed
+                try:
+                    socket.create_connection(("127.0.0.1", s.port), timeout=WAIT_S).close()
+                except (ConnectionRefusedError, ConnectionResetError):     # reset: in its backlog
+                    break
+                assert time.monotonic() < deadline and s.proc.poll() is None
+                time.sleep(0.05)
+            sock.sendall(body[-10:])
+            status, headers, answer = read_response(sock)
+        assert status == 200 and len(json.loads(answer)["probabilities"]) == 2, answer
+        assert headers["connection"] == "close"
+        assert s.proc.wait(timeout=WAIT_S) == 0
+        assert "Traceback" not in s.stderr(), s.stderr()
+    finally:
+        s.stop()
