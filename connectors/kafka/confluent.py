@@ -153,6 +153,9 @@ class ConfluentConsumer:
         self._consumer = Consumer(config)
         self._listener = None
         self._pending: list = []            # consumed, not yet handed out; newest first
+        # The cached watermark of a partition when it was last seeked: until a fetch
+        # answer changes it, it may be one from before (another assignment), not its end.
+        self._high_at_seek: dict[tuple[str, int], int | None] = {}
 
     # -- errors librdkafka reports asynchronously ---------------------------
     def _on_error(self, err) -> None:
@@ -279,6 +282,17 @@ class ConfluentConsumer:
         return {TopicPartition(t, p): records for (t, p), records in out.items()}
 
     def highwater(self, tp) -> int | None:
+        """The partition's end as the last fetch answer gave it (kafka-python's meaning);
+        None before one has come since the partition was seeked."""
+        high = self._cached_high(tp)
+        key = (tp.topic, tp.partition)
+        if key in self._high_at_seek:
+            if high == self._high_at_seek[key]:
+                return None
+            del self._high_at_seek[key]
+        return high
+
+    def _cached_high(self, tp) -> int | None:
         try:
             _, high = self._consumer.get_watermark_offsets(_ck(tp), cached=True)
         except Exception:                   # noqa: BLE001 - not known yet
@@ -305,6 +319,7 @@ class ConfluentConsumer:
     def seek(self, tp, offset: int) -> None:
         from confluent_kafka import KafkaException
         self._forget([tp])
+        self._high_at_seek[(tp.topic, tp.partition)] = self._cached_high(tp)
         try:
             self._consumer.seek(_ck(tp, offset))
         except KafkaException as e:

@@ -319,6 +319,8 @@ class KafkaSource:
         self._error_lock = threading.Lock()
         self._highwater: dict[str, int] = {}         # per partition, from the last fetch response
         self._behind_said = False                     # the idle end's warning (once a run)
+        self._fresh: set[str] = set()        # positioned in this process, nothing delivered since
+        self._ends_asked_at: dict[str, float] = {}   # when `_check_log_ends` last asked the broker
         self._offsets_unreadable_since: float | None = None   # the group's offsets fail to load since
         self._missing: set[str] = set()              # partitions the broker's metadata did not list
         self._missing_since: float | None = None
@@ -702,6 +704,7 @@ class KafkaSource:
         backpressure, make a commit deferred while the poll was in flight."""
         if self._unpositioned:
             self._position_new_partitions()
+        self._check_log_ends()
         n = self._accept(fetched)
         now = time.monotonic()
         if n:
@@ -731,6 +734,7 @@ class KafkaSource:
                 records, offs = records[first:], offs[first:]
             if not len(offs):
                 continue
+            self._fresh.discard(name)
             names.append(name)
             parts.append(np.full(len(offs), len(names) - 1, dtype=np.int32))
             values.extend(map(_VALUE, records))
@@ -843,6 +847,7 @@ class KafkaSource:
         positions = self._book.release(names)     # checkpoints keep them from here on
         for name in names:
             self._highwater.pop(name, None)
+        self._fresh -= gone
         log.info("kafka: partitions %s %s", ", ".join(names),
                  "lost (group membership expired)" if lost else "revoked by a rebalance")
         offsets = {} if lost else self._offsets({n: p for n, p in positions.items() if n not in self._missing},
@@ -925,11 +930,46 @@ class KafkaSource:
             position = self._choose_position(name, group, starts.get(name))
             self._book.own(name, position)
             self._consumer.seek(_tp(name), position.offset)
+            self._fresh.add(name)
         self._initial = {}
         self._unpositioned.clear()
         if not self._backpressure:
             self._consumer.resume(*[_tp(n) for n in names])
         self._idle_since = time.monotonic()
+
+    def _check_log_ends(self) -> None:
+        """A partition positioned in this process (from a checkpoint, the group or a peer)
+        that has delivered nothing since, whose end as the last fetch answer gave it is
+        before its position: the topic was deleted and recreated (what `StreamGone`
+        advises), or truncated. A broker answers such a position out of range (the
+        client then reads from the log's start: records all below the position, which
+        were dropped as ones already read) or with nothing (tansu): either way the new
+        log was never trained, silently. It is read from its first offset instead, and a
+        warning says so. The ListOffsets end must agree (a deleted topic's fetch answers
+        end at 0 too; `StreamGone` handles those). Not checked once a partition has
+        delivered: a topic recreated under a running trainer is first a deleted one."""
+        from kafka.errors import KafkaError
+        for name in sorted(self._fresh - self._unpositioned - self._missing):
+            tp = _tp(name)
+            high, old = self._consumer.highwater(tp), self._book.fetch_next.get(name)
+            if high is None or old is None or high >= old:
+                continue
+            now = time.monotonic()
+            if now - self._ends_asked_at.get(name, -PROBE_EVERY_S) < PROBE_EVERY_S:
+                continue                    # (a broker that cannot answer is not asked every poll)
+            self._ends_asked_at[name] = now
+            try:
+                end = self._consumer.end_offsets([tp], timeout_ms=5000).get(tp)
+                start = int(self._consumer.beginning_offsets([tp], timeout_ms=5000).get(tp) or 0)
+            except KafkaError:
+                continue                    # asked again after PROBE_EVERY_S
+            if end is None or end >= old:
+                continue
+            self._consumer.seek(tp, start)
+            self._book.own(name, PartitionPosition(start, 0))
+            log.warning("kafka: partition %s ends at offset %d, before this run's position %d: the "
+                        "topic was deleted and recreated (or truncated); reading it from its first "
+                        "offset %d, as records new to this model", name, high, old, start)
 
     # -- deleted topics (see connectors/kafka/client.py) -------------------------
     def _check_streams(self, now: float, fresh: bool = False) -> bool:

@@ -77,3 +77,42 @@ def test_a_partition_gone_stops_the_run_naming_it(kafka, tmp_path):
     assert f"kafka: partition {topic}/1 is gone ({topic!r} has 1 now) while training" in last, last
     assert "what was trained is checkpointed at" in last
     assert load_checkpoint(tmp_path / "run").records_trained == 640
+
+
+def test_a_recreated_topic_is_trained_from_its_start_on_resume(kafka, tmp_path):
+    """What the error above advises: the topic deleted and created again (here after the run
+    ended), with fewer records than the run had read. Its partitions now end before the
+    checkpoint's positions; the resume used to drop every new record as one already read
+    (exit 0, nothing trained, nothing said). It trains them, and says why it starts over."""
+    import json
+    import subprocess
+    import sys
+    topic = kafka.topic(partitions=2)
+    replay_file("criteo:sample", kafka.url(topic), limit=640)
+    run_dir = tmp_path / "run"
+    args = train_args(kafka.url(topic, "recreated"), run_dir, "--stop-when-idle", "3",
+                      "--set", "kafka.dead_letter_topic=")
+    first = subprocess.run([sys.executable, "-m", "stream_ctr", "train", *args],
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap)
+    try:
+        admin.delete_topics([topic])
+    finally:
+        admin.close()
+    deadline = time.monotonic() + 30
+    while not create_topic(parse_kafka_url(kafka.url(topic)), topic, 2):   # deletion may lag
+        assert time.monotonic() < deadline, "the topic was not deleted"
+        time.sleep(0.2)
+    replay_file("criteo:sample", kafka.url(topic), limit=200, resume=1000)   # other records
+    again = subprocess.run([sys.executable, "-m", "stream_ctr", "train", *args, "--resume", str(run_dir)],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads(again.stdout.strip().splitlines()[-1])
+    assert summary["records_trained"] == 200
+    for p in (0, 1):
+        assert (f"partition {topic}/{p} ends at offset 100, before this run's position 320: the topic "
+                f"was deleted and recreated") in again.stderr, again.stderr[-3000:]
+    ckpt = load_checkpoint(run_dir)
+    assert {k: v for k, v in ckpt.positions.items() if "#" not in k} == {f"{topic}/0": 100, f"{topic}/1": 100}
+    assert ckpt.records_trained == 840
