@@ -101,6 +101,10 @@ class Follower:
         # and the server answered with this version for ever, saying so only once.
         except Exception as e:                               # noqa: BLE001
             reason = str(e) if isinstance(e, (BundleError, OSError, ValueError)) else f"{type(e).__name__}: {e}"
+            if isinstance(e, BundleError) and ": re-export" in reason:
+                # A bundle's remedy; a published version is replaced by the trainer instead.
+                reason = (reason.split(": re-export")[0] + ": the trainer's next full snapshot "
+                          "(serving.full_every publishes) replaces it")
             self.metrics.failures.inc()
             if reason != self.last_error:                    # say it once, not every poll
                 print(f"stream-ctr serve: warning: cannot apply {self.root}: {reason}; still serving "

@@ -226,6 +226,7 @@ def test_a_published_manifest_lacking_a_field_is_refused_and_the_follower_goes_o
         bad = _publish_copy_of_latest(pub, edit)
         assert not follower.poll() and not follower.poll()
         assert needle in follower.last_error and follower.metrics.failures._value.get() == 2
+        assert "re-export" not in follower.last_error       # a bundle's remedy, not a published version's
         assert predictor.model().published_version == bad - 1
         health = json.loads(predictor.health())         # says why it does not advance
         assert health["status"] == "ok" and needle in health["follow_error"]
