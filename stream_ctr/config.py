@@ -132,9 +132,10 @@ class OptimConfig:
     # per step, each step under the rule for that smaller batch); then every batch is one
     # step. Interactions between ids start from a saddle (two near-zero vectors whose
     # product has near-zero gradient): escaping it takes steps, not samples, and a pass of
-    # 55 steps at 128K never did (docs/large-batches.md). 0 = no ramp. In a distributed
-    # job each rank splits its own batch, the ramp counting the job's steps.
-    ramp_samples: int = 1_048_576
+    # 55 steps at 128K never did (docs/large-batches.md); 256 small steps (2,097,152
+    # samples) left it closer to batch 1,024 than 128 did at 32K and 128K. 0 = no ramp. In
+    # a distributed job each rank splits its own batch, the ramp counting the job's steps.
+    ramp_samples: int = 2_097_152
     ramp_scale: float = 8.0
     # The output bias starts at the log-odds of the first batch's click rate, so the
     # first predictions sit at the base rate rather than 0.5 (on a 2.6% CTR log the

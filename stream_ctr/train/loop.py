@@ -577,7 +577,7 @@ def finished_run(run: Run) -> RunSummary:
 
 # Measured (docs/large-batches.md): 220 steps over an 8M-row pass learned DeepFM's
 # interactions to within 0.7 point of batch 1,024; 55 steps learned none of them (and
-# with the ramp's 128 steps of 8,192 first, 175 steps learned them to within 1.0 point).
+# with the ramp's 256 steps of 8,192 first, 295 steps learned them to within 0.4 point).
 FEW_STEPS = 100
 
 

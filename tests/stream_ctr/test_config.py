@@ -163,7 +163,7 @@ def test_a_checkpoint_from_before_the_beta2_rule_keeps_training_as_it_started():
     new = checkpoint_config(Config().to_dict(), origin="test")
     assert new.optim.embed_lr_cap_floor == 4
     assert (new.optim.beta2_rule, new.optim.rule_warmup_samples) == ("scaled", 500_000)
-    assert (new.optim.ramp_samples, new.optim.embed_lr_cap_rule) == (1_048_576, "sqrt")
+    assert (new.optim.ramp_samples, new.optim.embed_lr_cap_rule) == (2_097_152, "sqrt")
     # A checkpoint with the beta2 rule but from before the ramp and the sqrt cap.
     mid = Config().to_dict()
     for name in ("ramp_samples", "embed_lr_cap_rule", "embed_lr_cap_floor"):

@@ -287,7 +287,7 @@ def test_the_ramps_steps_count_toward_the_few_steps_note(tmp_path, capsys):
     cfg.data.batch_size, cfg.optim.scale_from_batch = 4096, 16
     summary = train(cfg, show_progress=True)
     err = capsys.readouterr().err
-    assert "sub-batches of 128 (8,192 steps)" in err and "feature interactions" not in err
+    assert "sub-batches of 128 (16,384 steps)" in err and "feature interactions" not in err
     assert summary.records_trained == 12_800
     cfg = small_config(tmp_path / "no_ramp", limit_records=12_800)
     cfg.data.batch_size, cfg.optim.scale_from_batch, cfg.optim.ramp_samples = 4096, 16, 0

@@ -16,7 +16,7 @@ def test_the_rule_ramps_at_large_scales_only():
     cfg = Config()
     cfg.optim.scale_from_batch, cfg.data.batch_size = 1024, 131072
     run = resolve_optim(cfg)
-    assert (run.ramp_batch, run.ramp_steps) == (8192, 128)          # 1,048,576 samples / 8,192
+    assert (run.ramp_batch, run.ramp_steps) == (8192, 256)          # 2,097,152 samples / 8,192
     sub = ramp_optim(cfg, run)
     assert (sub.batch_size, sub.scale) == (8192, 8.0)
     assert math.isclose(sub.lr_dense, cfg.optim.lr_dense * math.sqrt(8))
@@ -27,13 +27,13 @@ def test_the_rule_ramps_at_large_scales_only():
     cfg.data.batch_size = 131072
     assert sub.warmup_samples == run.warmup_samples == 500_000      # one warm-up over samples
     from stream_ctr.config import describe_optim
-    assert ("warm-up 500,000 samples (62 steps), the first 1,048,576 samples in sub-batches of "
-            "8,192 (128 steps)") in describe_optim(run)
+    assert ("warm-up 500,000 samples (62 steps), the first 2,097,152 samples in sub-batches of "
+            "8,192 (256 steps)") in describe_optim(run)
     cfg.data.batch_size = 8192                                      # s = ramp_scale: nothing to ramp
     assert resolve_optim(cfg).ramp_batch == 0 and ramp_optim(cfg, resolve_optim(cfg)) is None
     cfg.data.batch_size, cfg.optim.ramp_samples = 131072, 0
     assert resolve_optim(cfg).ramp_steps == 0
-    cfg.optim.ramp_samples, cfg.optim.scale_from_batch = 1_048_576, 0      # no rule, no ramp
+    cfg.optim.ramp_samples, cfg.optim.scale_from_batch = 2_097_152, 0      # no rule, no ramp
     assert resolve_optim(cfg).ramp_batch == 0
 
 
@@ -41,16 +41,16 @@ def test_samples_and_the_dense_warm_up_count_the_ramps_steps_at_its_sub_batch():
     cfg = Config()
     cfg.optim.scale_from_batch, cfg.data.batch_size = 1024, 131072
     t = Trainer(cfg, n_fields=3, n_dense=2)
-    assert t.samples_at(128) == 1_048_576 and t.samples_at(130) == 1_048_576 + 2 * 131072
+    assert t.samples_at(256) == 2_097_152 and t.samples_at(258) == 2_097_152 + 2 * 131072
     assert t.samples_at(61) == 61 * 8192
     # The warm-up (500,000 samples) ends inside the ramp, at the ramp's own lr.
     assert math.isclose(t.dense_lr(61), t.ramp.lr_dense * 61 * 8192 / 500_000)
-    assert math.isclose(t.dense_lr(62), t.ramp.lr_dense) and math.isclose(t.dense_lr(128), t.ramp.lr_dense)
+    assert math.isclose(t.dense_lr(62), t.ramp.lr_dense) and math.isclose(t.dense_lr(256), t.ramp.lr_dense)
     # After the ramp the lr climbs from the ramp's to the run's over another 500,000 samples.
     climb = t.optim.lr_dense - t.ramp.lr_dense
-    assert math.isclose(t.dense_lr(129), t.ramp.lr_dense + climb * 131072 / 500_000)
-    assert math.isclose(t.dense_lr(131), t.ramp.lr_dense + climb * 3 * 131072 / 500_000)
-    assert math.isclose(t.dense_lr(132), t.optim.lr_dense) and math.isclose(t.dense_lr(500), t.optim.lr_dense)
+    assert math.isclose(t.dense_lr(257), t.ramp.lr_dense + climb * 131072 / 500_000)
+    assert math.isclose(t.dense_lr(259), t.ramp.lr_dense + climb * 3 * 131072 / 500_000)
+    assert math.isclose(t.dense_lr(260), t.optim.lr_dense) and math.isclose(t.dense_lr(600), t.optim.lr_dense)
 
 
 def _ramp_config(tmp_path):
