@@ -50,7 +50,7 @@ from stream_ctr.train.checkpoint import CheckpointError
 from stream_ctr.train.inputs import Idle, Revoked
 from stream_ctr.train.run_dir import RunDirOwner, claim_run_dir, point_latest
 from stream_ctr.train.streaming import stream_url
-from stream_ctr.train.loop import JobParts, Run, RunSummary, start_note
+from stream_ctr.train.loop import JobParts, Run, RunSummary, finished_run, start_note
 from stream_ctr.train.trainer import resolve_device
 
 
@@ -282,20 +282,6 @@ class Job:
         """Whether serving.publish_every_s has passed on rank 0 (a job checkpoint is due)."""
         return self.run.publisher is not None and self.run.publisher.due()
 
-    def finish_already_finished(self) -> RunSummary:
-        """A resumed job whose every rank had done its passes over its share of the file:
-        one line says so, no step and no job checkpoint (each restart would write one
-        more, deleting an older); the summary is the job's as resumed."""
-        run = self.run
-        if self.ctx.is_main:
-            print(f"stream-ctr: {run.finished}", file=sys.stderr, flush=True)
-        with run:               # (its exit closes the input, as at the end of a job that trained)
-            pass
-        summary = self.finish(0.0)
-        summary.already_finished = run.finished
-        summary.checkpoint = str(self.resumed_job)
-        return summary
-
     def finish(self, seconds: float) -> RunSummary:
         run = self.run
         s = run.finish(seconds)          # the holdout evaluation is collective: all ranks run it
@@ -408,8 +394,8 @@ def lockstep(job: Job, show_progress: bool) -> DistributedSummary:
     batch takes an idle step) and checkpoint together."""
     run, ctx = job.run, job.ctx
     (anyone_has_more,) = agree([not run.finished])
-    if not anyone_has_more:
-        return job.finish_already_finished()
+    if not anyone_has_more:       # every rank did its passes: no step, no job checkpoint
+        return finished_run(run, job.finish, str(job.resumed_job), speaks=ctx.is_main)
     start_note(run, show_progress, speaks=ctx.is_main)
     label = f"train ({ctx.world_size} ranks, rank 0 shown)"
     progress = Progress(label, run.cfg.train.log_every_s, enabled=show_progress and ctx.is_main)

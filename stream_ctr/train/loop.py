@@ -561,17 +561,20 @@ def _train(cfg: Config, resume: str | None, show_progress: bool) -> RunSummary:
     return summary
 
 
-def finished_run(run: Run) -> RunSummary:
+def finished_run(run: Run, finish=None, checkpoint: str | None = None, speaks: bool = True) -> RunSummary:
     """A resume of a run that has done all its passes over its file: one line says so
     and what would train more, no checkpoint is written (each restart used to write one
     more, deleting an older), and the summary scores the held-out tail as before. Not
-    an error: a supervisor that restarts a finished run must not loop on failures."""
-    print(f"stream-ctr: {run.finished}", file=sys.stderr, flush=True)
+    an error: a supervisor that restarts a finished run must not loop on failures.
+    A distributed job passes its own `finish` (a collective) and job checkpoint, and
+    only its rank 0 `speaks`."""
+    if speaks:
+        print(f"stream-ctr: {run.finished}", file=sys.stderr, flush=True)
     with run:               # (its exit closes the input, as at the end of a run that trained)
         pass
-    summary = run.finish(0.0)
+    summary = (finish or run.finish)(0.0)
     summary.already_finished = run.finished
-    summary.checkpoint = str(run.resumed_from)
+    summary.checkpoint = checkpoint or str(run.resumed_from)
     return summary
 
 
